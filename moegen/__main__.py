@@ -1,0 +1,3 @@
+from moegen.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""Exception hierarchy. Anything derived from MoegenError is reported by the CLI without a traceback."""
+from __future__ import annotations
+
+
+class MoegenError(Exception):
+    """A failure moegen can explain to the user."""
+
+    exit_code = 1
+
+
+class SpecError(MoegenError):
+    """A problem in a spec file: FILE:LINE:COL: field.path: what is wrong; how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, file: str, field: str, problem: str, fix: str, line: int = 0, col: int = 0):
+        self.file, self.field, self.problem, self.fix = str(file), field, problem, fix
+        self.line, self.col = line, col
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        where = f"{self.file}:{self.line}:{self.col}" if self.line else self.file
+        field = f" {self.field}:" if self.field else ""
+        return f"{where}:{field} {self.problem}; {self.fix}"
+
+
+class BuildError(MoegenError):
+    """The build could not complete; the previous output is untouched."""

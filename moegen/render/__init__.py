@@ -1,0 +1,44 @@
+"""Render: the jinja2 environment, value-to-literal lowering and procedural kernel names.
+
+Templates only substitute: every decision (dtype, activation, precision) is made here and
+handed over as a finished literal."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import jinja2
+
+from moegen import knobs
+
+TORCH_DTYPES = {"bfloat16": "_torch.bfloat16", "float16": "_torch.float16", "float32": "_torch.float32"}
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# float32 models use exact fp32 products: tf32 would miss the 1e-4 accuracy bar.
+DOT_PRECISION = {"bfloat16": '"tf32"', "float16": '"tf32"', "float32": '"ieee"'}
+
+
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(knobs.template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def render(template_name: str, **values) -> str:
+    return environment().get_template(template_name).render(**values)
+
+
+def template_hashes() -> dict[str, str]:
+    """sha256 of every template, by file name: part of the manifest and of tuning keys."""
+    folder = knobs.template_dir()
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(Path(folder).glob("*.jinja"))
+    }
+
+
+def kernel_name(stage: str, activation: str, dtype: str, h: int, i: int, e: int, k: int) -> str:
+    """e.g. moe_gate_up_silu_bf16_h4096_i14336_e8_k2: identifier-safe by construction."""
+    return f"moe_{stage}_{activation}_{SHORT_DTYPES[dtype]}_h{h}_i{i}_e{e}_k{k}"

@@ -1,0 +1,1 @@
+"""Small, stable helpers that generated packages import: launch, alignment, routing, layer."""

@@ -1,0 +1,105 @@
+"""MoELayer: router, routed experts and shared experts, backed by a generated KernelSet.
+
+The generated package subclasses MoELayerBase and sets `kernels` and `spec`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from moegen.runtime import fused
+
+# Checkpoint names of one expert's projections: Mixtral (w1 gate, w3 up, w2 down) and the
+# Qwen/DeepSeek/OLMoE style (gate_proj, up_proj, down_proj).
+_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _activation(name: str):
+    return F.silu if name == "silu" else F.gelu
+
+
+class MoELayerBase(torch.nn.Module):
+    kernels: fused.KernelSet
+    spec = None
+
+    def __init__(self, device=None, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        m = self.spec.model
+        dtype = dtype or self.kernels.dtype
+        factory = dict(device=device, dtype=dtype)
+        self.gate = torch.nn.Linear(m.hidden_size, m.num_experts, bias=False, **factory)
+        self.w13 = torch.nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **factory))
+        self.w2 = torch.nn.Parameter(torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **factory))
+        # DeepSeek-V3 keeps its selection bias in float32.
+        self.correction_bias = (
+            torch.nn.Parameter(torch.zeros(m.num_experts, device=device, dtype=torch.float32),
+                               requires_grad=False)
+            if m.correction_bias else None
+        )
+        shared = m.num_shared_experts * m.shared_intermediate_size
+        # Several shared experts act as one dense MLP whose intermediate is their concatenation.
+        self.shared_w13 = torch.nn.Parameter(torch.empty(2 * shared, m.hidden_size, **factory)) if shared else None
+        self.shared_w2 = torch.nn.Parameter(torch.empty(m.hidden_size, shared, **factory)) if shared else None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        m = self.spec.model
+        for weight, fan_in in ((self.gate.weight, m.hidden_size), (self.w13, m.hidden_size),
+                               (self.w2, m.intermediate_size), (self.shared_w13, m.hidden_size),
+                               (self.shared_w2, max(m.shared_intermediate_size, 1))):
+            if weight is not None:
+                weight.normal_(0.0, fan_in ** -0.5)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.shared_w13)
+        gate, up = h.chunk(2, dim=-1)
+        return F.linear(_activation(self.spec.model.activation)(gate) * up, self.shared_w2)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        router_logits = self.gate(x)
+        out = fused.fused_moe(self.kernels, x, router_logits, self.w13, self.w2,
+                              correction_bias=self.correction_bias)
+        if self.shared_w13 is not None:
+            out = out + self.shared_output(x)
+        return out.view(shape)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+        """Load a Hugging Face MoE block: `gate.weight`, `experts.{e}.w1/w3/w2.weight` (Mixtral)
+        or `experts.{e}.gate_proj/up_proj/down_proj.weight`, optional
+        `gate.e_score_correction_bias` and `shared_experts.gate_proj/up_proj/down_proj.weight`."""
+        m = self.spec.model
+        used = set()
+
+        def take(name: str) -> torch.Tensor:
+            key = prefix + name
+            if key not in state_dict:
+                raise KeyError(f"state dict has no {key!r} (prefix {prefix!r})")
+            used.add(key)
+            return state_dict[key]
+
+        self.gate.weight.copy_(take("gate.weight"))
+        names = next((n for n in _EXPERT_NAMES if prefix + f"experts.0.{n[0]}.weight" in state_dict), None)
+        if names is None:
+            raise KeyError(f"state dict has no {prefix}experts.0.w1.weight nor {prefix}experts.0.gate_proj.weight")
+        gate_name, up_name, down_name = names
+        inter = m.intermediate_size
+        for e in range(m.num_experts):
+            self.w13[e, :inter].copy_(take(f"experts.{e}.{gate_name}.weight"))
+            self.w13[e, inter:].copy_(take(f"experts.{e}.{up_name}.weight"))
+            self.w2[e].copy_(take(f"experts.{e}.{down_name}.weight"))
+        if self.correction_bias is not None:
+            self.correction_bias.copy_(take("gate.e_score_correction_bias"))
+        if self.shared_w13 is not None:
+            shared = self.shared_w2.shape[1]
+            self.shared_w13[:shared].copy_(take("shared_experts.gate_proj.weight"))
+            self.shared_w13[shared:].copy_(take("shared_experts.up_proj.weight"))
+            self.shared_w2.copy_(take("shared_experts.down_proj.weight"))
+        unused = sorted(k for k in state_dict if k.startswith(prefix) and k not in used)
+        if unused:
+            raise KeyError(f"state dict keys this layer does not use: {unused[:5]}"
+                           f"{' ...' if len(unused) > 5 else ''}")

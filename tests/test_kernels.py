@@ -1,0 +1,176 @@
+"""Fused-MoE kernels against the float64 reference: a case matrix of shapes, dtypes, token
+counts and routing options. On the CPU the kernels run in Triton's interpreter (fp32, fp16;
+the interpreter computes bf16 dots wrongly), so shapes are tiny but deliberately awkward:
+H and I not multiples of the block, E not a power of two, empty and crowded experts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import zlib
+
+import pytest
+import torch
+
+from moegen import reference as ref
+from moegen.runtime.align import align_tokens
+
+TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2}
+TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    model: dict = field(default_factory=dict)
+    routing: str = "random"  # random | one_expert | half_experts
+
+
+BASE = dict(hidden_size=40, intermediate_size=24, num_experts=6, top_k=2, dtype="float32")
+GROUPED = dict(BASE, num_experts=8, top_k=3, scoring="sigmoid", correction_bias=True, n_group=4,
+               topk_group=2, routed_scaling_factor=2.5)
+
+CASES = [
+    Case("empty", 0, BASE),
+    Case("one_token", 1, BASE),
+    Case("odd_tokens", 7, BASE),
+    Case("several_blocks_per_expert", 70, BASE),
+    Case("all_on_one_expert", 37, BASE, routing="one_expert"),
+    Case("half_experts_idle", 23, BASE, routing="half_experts"),
+    Case("fp16_gelu_even_k", 19, dict(BASE, hidden_size=64, intermediate_size=48, num_experts=5,
+                                      activation="gelu", dtype="float16")),
+    Case("fp16_one_token", 1, dict(BASE, dtype="float16", num_experts=7, top_k=3)),
+    Case("no_renormalize", 9, dict(BASE, renormalize=False)),
+    Case("sigmoid_top1", 11, dict(BASE, scoring="sigmoid", top_k=1)),
+    Case("grouped_correction_bias", 13, GROUPED),
+    Case("grouped_softmax", 13, dict(BASE, num_experts=8, n_group=2, topk_group=1, top_k=2)),
+    Case("top_k_equals_experts", 5, dict(BASE, num_experts=3, top_k=3)),
+]
+
+
+def _inputs(case: Case, pkg, generator):
+    m = pkg.SPEC.model
+    dtype = TORCH_DTYPE[m.dtype]
+    h, i, e = m.hidden_size, m.intermediate_size, m.num_experts
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).to(DEVICE)
+
+    x = rand(case.tokens, h)
+    w13 = rand(e, 2 * i, h, scale=h ** -0.5)
+    w2 = rand(e, h, i, scale=i ** -0.5)
+    bias = (torch.rand(e, generator=generator) * 0.1).to(DEVICE) if m.correction_bias else None
+    logits = ref.separated_router_logits(case.tokens, pkg.KERNELS.routing, bias, generator=generator,
+                                         device=DEVICE)
+    if case.routing == "one_expert":
+        logits[:, 2] += 100.0  # expert 2 wins every token's first pick
+    elif case.routing == "half_experts":
+        logits[:, 1::2] -= 100.0  # odd experts never chosen
+    return x, logits, w13, w2, bias
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_fused_moe_matches_float64_reference(case, package_factory):
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    x, logits, w13, w2, bias = _inputs(case, pkg, generator)
+    out = pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
+    if case.routing == "one_expert":
+        assert bool((ref.route_reference(logits, pkg.KERNELS.routing, bias)[1][:, 0] == 2).all())
+    if case.tokens == 0:
+        assert out.numel() == 0
+        return
+    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.tokens > 0][:6], ids=lambda c: c.name)
+def test_fused_experts_with_caller_routing(case, package_factory):
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(7)
+    x, logits, w13, w2, _ = _inputs(case, pkg, generator)
+    k, e = pkg.SPEC.model.top_k, pkg.SPEC.model.num_experts
+    ids = torch.stack([torch.randperm(e, generator=generator)[:k] for _ in range(case.tokens)]).to(DEVICE)
+    weights = torch.rand(case.tokens, k, generator=generator).to(DEVICE)
+    out = pkg.fused_experts(x, weights, ids, w13, w2)
+    expected = ref.experts_reference(x, weights, ids, w13, w2, pkg.SPEC.model.activation)
+    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.tokens > 0], ids=lambda c: c.name)
+def test_routing_matches_reference(case, package_factory):
+    from moegen.runtime.routing import route
+
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(11)
+    _, logits, _, _, bias = _inputs(case, pkg, generator)
+    weights, ids = route(logits, pkg.KERNELS.routing, bias)
+    ref_weights, ref_ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
+    order, ref_order = ids.long().sort(dim=1), ref_ids.sort(dim=1)
+    assert torch.equal(order.values.cpu(), ref_order.values.cpu())
+    assert torch.allclose(weights.gather(1, order.indices).double(), ref_weights.gather(1, ref_order.indices), rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16)])
+def test_alignment_groups_and_pads(tokens, experts, top_k, block_m):
+    generator = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    a = align_tokens(ids, experts, block_m)
+    used = int(a.num_padded)
+    slots = a.sorted_slots[:used]
+    real = slots[slots < tokens * top_k].long()
+    assert sorted(real.tolist()) == list(range(tokens * top_k))  # every slot exactly once
+    assert bool((a.sorted_slots[used:] == tokens * top_k).all())
+    flat = ids.reshape(-1).long()
+    for b in range(used // block_m):
+        block = slots[b * block_m:(b + 1) * block_m]
+        block = block[block < tokens * top_k].long()
+        assert block.numel() > 0 and bool((flat[block] == int(a.block_expert[b])).all())
+
+
+def test_layer_loads_mixtral_and_deepseek_checkpoints(package_factory):
+    for names, model in ((("w1", "w3", "w2"), BASE),
+                         (("gate_proj", "up_proj", "down_proj"),
+                          dict(GROUPED, num_shared_experts=2, shared_intermediate_size=8))):
+        pkg = package_factory(**model)
+        m = pkg.SPEC.model
+        g = torch.Generator().manual_seed(3)
+        h, i = m.hidden_size, m.intermediate_size
+        sd = {"mlp.gate.weight": torch.randn(m.num_experts, h, generator=g)}
+        for e in range(m.num_experts):
+            sd[f"mlp.experts.{e}.{names[0]}.weight"] = torch.randn(i, h, generator=g) * h ** -0.5
+            sd[f"mlp.experts.{e}.{names[1]}.weight"] = torch.randn(i, h, generator=g) * h ** -0.5
+            sd[f"mlp.experts.{e}.{names[2]}.weight"] = torch.randn(h, i, generator=g) * i ** -0.5
+        shared = m.num_shared_experts * m.shared_intermediate_size
+        if m.correction_bias:
+            sd["mlp.gate.e_score_correction_bias"] = torch.rand(m.num_experts, generator=g) * 0.1
+        if shared:
+            sd["mlp.shared_experts.gate_proj.weight"] = torch.randn(shared, h, generator=g) * h ** -0.5
+            sd["mlp.shared_experts.up_proj.weight"] = torch.randn(shared, h, generator=g) * h ** -0.5
+            sd["mlp.shared_experts.down_proj.weight"] = torch.randn(h, shared, generator=g) * shared ** -0.5
+        layer = pkg.MoELayer(device=DEVICE)
+        layer.load_hf_state_dict(sd, prefix="mlp.")
+        x = torch.randn(2, 3, h, generator=g).to(DEVICE)
+        with torch.no_grad():
+            out = layer(x)
+        flat = x.reshape(-1, h)
+        w13 = torch.stack([torch.cat([sd[f"mlp.experts.{e}.{names[0]}.weight"], sd[f"mlp.experts.{e}.{names[1]}.weight"]])
+                           for e in range(m.num_experts)])
+        w2 = torch.stack([sd[f"mlp.experts.{e}.{names[2]}.weight"] for e in range(m.num_experts)])
+        bias = sd.get("mlp.gate.e_score_correction_bias")
+        expected = ref.moe_reference(flat, flat @ sd["mlp.gate.weight"].T, w13, w2, pkg.KERNELS.routing,
+                                     m.activation, bias)
+        if shared:
+            expected = expected + ref.gated_mlp_reference(
+                flat, torch.cat([sd["mlp.shared_experts.gate_proj.weight"], sd["mlp.shared_experts.up_proj.weight"]]),
+                sd["mlp.shared_experts.down_proj.weight"], m.activation)
+        assert out.shape == x.shape
+        assert ref.relative_error(out.reshape(-1, h), expected) <= 1e-4
+
+
+def test_layer_rejects_incomplete_checkpoint(package_factory):
+    layer = package_factory(**BASE).MoELayer(device=DEVICE)
+    with pytest.raises(KeyError, match="experts"):
+        layer.load_hf_state_dict({"gate.weight": torch.zeros(6, 40)})
