@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     except MoegenError as error:
         print(f"moegen: {error}" if error.exit_code != 2 else str(error), file=sys.stderr)
         return error.exit_code
+    except OSError as error:
+        print(f"moegen: {error}; nothing already built was changed", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
