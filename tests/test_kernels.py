@@ -36,6 +36,7 @@ CASES = [
     Case("one_token", 1, BASE),
     Case("odd_tokens", 7, BASE),
     Case("several_blocks_per_expert", 70, BASE),
+    Case("beyond_single_program_routing", 300, BASE),  # tensor-op routing and alignment
     Case("all_on_one_expert", 37, BASE, routing="one_expert"),
     Case("half_experts_idle", 23, BASE, routing="half_experts"),
     Case("fp16_gelu_even_k", 19, dict(BASE, hidden_size=64, intermediate_size=48, num_experts=5,

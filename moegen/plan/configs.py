@@ -1,7 +1,5 @@
-"""Analytic default kernel configs: a pure function of shape, token count and GPU.
-
-Tuning (moegen tune) refines these; without a tuning-database entry the build uses them.
-"""
+"""Analytic default kernel configs (a pure function of shape, token count and GPU) and the
+resource limits every config, default or tuning candidate, must respect."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,8 +9,11 @@ from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.fused import KernelConfig
 from moegen.target import GpuTarget
 
+# fp32 accumulator values one thread may hold before the compiler spills (of 255 registers).
+MAX_ACCUMULATORS_PER_THREAD = 128
 
-def _pow2_at_least(x: float) -> int:
+
+def pow2_at_least(x: float) -> int:
     p = 1
     while p < x:
         p *= 2
@@ -25,37 +26,55 @@ def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
 
 
 def down_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
-    return c.num_stages * (c.block_m * c.down_block_k + c.down_block_k * c.down_block_n) * element_bytes
+    return c.down_num_stages * (c.block_m * c.down_block_k + c.down_block_k * c.down_block_n) * element_bytes
 
 
-def fits(c: KernelConfig, signature: KernelSignature, target: GpuTarget) -> bool:
-    limit = target.smem_per_block_kib * 1024
-    b = signature.element_bytes
-    return gate_up_smem_bytes(c, b) <= limit and down_smem_bytes(c, b) <= limit
+def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) -> str | None:
+    """Why a config cannot run well on the target (None if it can): shared memory, registers,
+    tiles wider than the dimension they cover, split-K finer than the K loop."""
+    limit, b = target.smem_per_block_kib * 1024, signature.element_bytes
+    if gate_up_smem_bytes(c, b) > limit:
+        return f"GEMM1 shared memory {gate_up_smem_bytes(c, b)} > {limit}"
+    if down_smem_bytes(c, b) > limit:
+        return f"GEMM2 shared memory {down_smem_bytes(c, b)} > {limit}"
+    if 2 * c.block_m * c.block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.num_warps:
+        return "GEMM1 accumulators exceed the register file"
+    if c.block_m * c.down_block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.down_num_warps:
+        return "GEMM2 accumulators exceed the register file"
+    h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
+    if c.block_n > max(16, i) or c.block_k > max(16, h) or c.down_block_n > max(16, h) or c.down_block_k > max(16, i):
+        return "tile wider than the dimension it covers"
+    if c.split_k > 1 and (signature.intermediate_size + c.down_block_k - 1) // c.down_block_k < 2 * c.split_k:
+        return "split-K finer than two K steps per split"
+    return None
 
 
 def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -> KernelConfig:
     """Row blocks just cover the expected tokens per expert; memory-bound (few tokens) shapes
     get narrow N tiles and deep K tiles so enough CTAs stream the weights, compute-bound ones
-    get large square-ish tiles."""
+    get large tiles."""
     cost = bucket_cost(signature, target, tokens)
     tokens_per_expert = tokens * signature.top_k / max(cost.experts_touched, 1.0)
-    block_m = min(max(_pow2_at_least(tokens_per_expert), 16), 128)
+    block_m = min(max(pow2_at_least(tokens_per_expert), 16), 128)
     if block_m <= 32:
-        config = KernelConfig(block_m=block_m, block_n=64, block_k=128, group_m=1, num_warps=4,
-                              num_stages=4, down_block_n=64, down_block_k=128)
+        config = KernelConfig(block_m=block_m, group_m=1, block_n=64, block_k=128, num_warps=4,
+                              num_stages=4, down_block_n=64, down_block_k=128, down_num_warps=4,
+                              down_num_stages=4)
     elif block_m == 64:
-        config = KernelConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4,
-                              num_stages=4, down_block_n=128, down_block_k=64)
+        config = KernelConfig(block_m=64, group_m=8, block_n=64, block_k=64, num_warps=4,
+                              num_stages=4, down_block_n=128, down_block_k=64, down_num_warps=4,
+                              down_num_stages=4)
     else:
-        config = KernelConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8,
-                              num_stages=3, down_block_n=128, down_block_k=64)
+        config = KernelConfig(block_m=128, group_m=8, block_n=128, block_k=64, num_warps=8,
+                              num_stages=3, down_block_n=128, down_block_k=64, down_num_warps=8,
+                              down_num_stages=3)
     # Tiles never wider than the (power-of-two rounded) dimension they cover.
-    h, i = _pow2_at_least(signature.hidden_size), _pow2_at_least(signature.intermediate_size)
+    h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
     config = replace(config, block_n=max(16, min(config.block_n, i)), block_k=max(16, min(config.block_k, h)),
                      down_block_n=max(16, min(config.down_block_n, h)),
                      down_block_k=max(16, min(config.down_block_k, i)))
     # Shrink pipelining until the stages fit shared memory (fp32 tiles are twice as large).
-    while not fits(config, signature, target) and config.num_stages > 1:
-        config = replace(config, num_stages=config.num_stages - 1)
+    while violation(config, signature, target) and min(config.num_stages, config.down_num_stages) > 1:
+        config = replace(config, num_stages=max(1, config.num_stages - 1),
+                         down_num_stages=max(1, config.down_num_stages - 1))
     return config

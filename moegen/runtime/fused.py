@@ -1,5 +1,6 @@
-"""Launch the generated fused-MoE kernels: routing, alignment, GEMM1 (+activation), GEMM2
-(+weighted top-k reduction). The generated package binds a KernelSet and calls these."""
+"""Launch the generated fused-MoE kernels: routing and alignment, GEMM1 (+activation, and zeroing
+the output), GEMM2 (+router weight, top-k reduction by atomic adds). The generated package binds
+a KernelSet and calls these."""
 from __future__ import annotations
 
 import bisect
@@ -9,27 +10,44 @@ from typing import Callable, Optional
 import torch
 
 from moegen import knobs
-from moegen.runtime.align import align_tokens
+from moegen.runtime.align import Alignment, align_tokens, max_padded_slots
 from moegen.runtime.routing import RoutingParams, route
+
+# Batches up to this size are routed and aligned by the single-program kernel (3 launches per
+# MoE call in all); larger ones by tensor ops, whose launch count no longer matters.
+ROUTE_ALIGN_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class KernelConfig:
+    """Launch parameters of one MoE call. block_m (rows per expert block) is shared by the
+    alignment and both GEMMs; the rest is per GEMM: gate_up (GEMM1) and down (GEMM2)."""
+
     block_m: int
+    group_m: int
     block_n: int
     block_k: int
-    group_m: int
     num_warps: int
     num_stages: int
-    # GEMM2 tile shape (shares block_m, which the alignment fixes)
     down_block_n: int
     down_block_k: int
+    down_num_warps: int
+    down_num_stages: int
+    split_k: int = 1
+
+    @property
+    def key(self) -> str:
+        """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1."""
+        return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
+                f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
+                f"s{self.down_num_stages}x{self.split_k}")
 
 
 @dataclass(frozen=True)
 class KernelSet:
-    """One specialization: the model shape baked into two kernels plus per-bucket configs."""
+    """One specialization: the model shape baked into the kernels plus per-bucket configs."""
 
+    route_align: Callable
     gate_up: Callable
     down_reduce: Callable
     hidden_size: int
@@ -56,59 +74,100 @@ def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype: Optional[torch.
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
 
 
-def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
-                  config: Optional[KernelConfig] = None) -> torch.Tensor:
-    num_tokens = hidden_states.shape[0]
-    h, i, e, k = ks.hidden_size, ks.intermediate_size, ks.num_experts, ks.top_k
+def _check_inputs(ks: KernelSet, hidden_states, w13, w2) -> None:
+    h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
     device = hidden_states.device
-    _check("hidden_states", hidden_states, (num_tokens, h), ks.dtype, device)
-    _check("topk_weights", topk_weights, (num_tokens, k), None, device)
-    _check("topk_ids", topk_ids, (num_tokens, k), None, device)
+    _check("hidden_states", hidden_states, (hidden_states.shape[0], h), ks.dtype, device)
     _check("w13", w13, (e, 2 * i, h), ks.dtype, device)
     _check("w2", w2, (e, h, i), ks.dtype, device)
     if device.type != "cuda" and not knobs.triton_interpret():
         raise RuntimeError(f"moegen kernels need CUDA tensors (got {device}); on the CPU set "
                            "TRITON_INTERPRET=1 before importing the generated package (slow: tiny shapes)")
-    if num_tokens == 0:
-        return hidden_states.new_empty((0, h))
-    cfg = config or ks.config_for(num_tokens)
-    hidden_states = hidden_states.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    num_slots = num_tokens * k
 
-    aligned = align_tokens(topk_ids, e, cfg.block_m)
-    inter = torch.empty((aligned.max_padded, i), dtype=ks.dtype, device=device)
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2):
+    num_tokens = hidden_states.shape[0]
+    h, i = ks.hidden_size, ks.intermediate_size
+    hidden_states, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
+    inter = torch.empty((aligned.max_padded, i), dtype=ks.dtype, device=hidden_states.device)
+    out = torch.empty((num_tokens, h), dtype=ks.dtype, device=hidden_states.device)  # zeroed by GEMM1
     num_m_blocks = aligned.max_padded // cfg.block_m
-    grid1 = (num_m_blocks * triton_cdiv(i, cfg.block_n),)
-    ks.gate_up[grid1](
-        hidden_states, w13, inter,
+    ks.gate_up[(num_m_blocks * _cdiv(i, cfg.block_n),)](
+        hidden_states, w13, inter, out,
         aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
-        num_slots, aligned.max_padded,
+        num_tokens * ks.top_k, aligned.max_padded, out.numel(),
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    # fp32 accumulator for the top-k reduction; float32 models accumulate in the output itself.
-    out = torch.zeros((num_tokens, h), dtype=torch.float32, device=device)
-    grid2 = (num_m_blocks * triton_cdiv(h, cfg.down_block_n),)
-    ks.down_reduce[grid2](
+    ks.down_reduce[(num_m_blocks * _cdiv(h, cfg.down_block_n), cfg.split_k)](
         inter, w2, out, weights,
         aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
-        num_slots, aligned.max_padded,
+        num_tokens * ks.top_k, aligned.max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=cfg.split_k, num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )
-    return out if ks.dtype == torch.float32 else out.to(ks.dtype)
+    return out
 
 
-def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correction_bias=None):
+def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
+                  config: Optional[KernelConfig] = None) -> torch.Tensor:
+    """The experts for a routing chosen by the caller: [T,H]."""
+    _check_inputs(ks, hidden_states, w13, w2)
+    num_tokens, device = hidden_states.shape[0], hidden_states.device
+    _check("topk_weights", topk_weights, (num_tokens, ks.top_k), None, device)
+    _check("topk_ids", topk_ids, (num_tokens, ks.top_k), None, device)
+    if num_tokens == 0:
+        return hidden_states.new_empty((0, ks.hidden_size))
+    cfg = config or ks.config_for(num_tokens)
+    aligned = align_tokens(topk_ids, ks.num_experts, cfg.block_m)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
+
+
+def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int):
+    """(flat top-k weights [T*k] float32, Alignment) for router logits [T, E]."""
+    num_tokens, device = router_logits.shape[0], router_logits.device
+    if num_tokens > ROUTE_ALIGN_MAX_TOKENS:
+        weights, ids = route(router_logits, ks.routing, correction_bias)
+        return weights.reshape(-1), align_tokens(ids, ks.num_experts, block_m)
+    num_slots = num_tokens * ks.top_k
+    max_padded = max_padded_slots(num_slots, ks.num_experts, block_m)
+    weights = torch.empty(num_slots, dtype=torch.float32, device=device)
+    ids = torch.empty(num_slots, dtype=torch.int32, device=device)
+    aligned = Alignment(
+        sorted_slots=torch.empty(max_padded, dtype=torch.int32, device=device),
+        block_expert=torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
+        num_padded=torch.empty(1, dtype=torch.int32, device=device),
+        max_padded=max_padded,
+    )
+    logits = router_logits.contiguous()
+    bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
+    ks.route_align[(1,)](
+        logits, bias, weights, ids, aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
+        num_tokens, logits.stride(0), max_padded,
+        BLOCK_M=block_m, BLOCK_T=16, BLOCK_S=64, num_warps=4,
+    )
+    return weights, aligned
+
+
+def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correction_bias=None,
+              config: Optional[KernelConfig] = None):
+    """Route, then run the experts: [T,H]. No host synchronization."""
+    _check_inputs(ks, hidden_states, w13, w2)
     num_tokens = hidden_states.shape[0]
     _check("router_logits", router_logits, (num_tokens, ks.num_experts), None, hidden_states.device)
-    topk_weights, topk_ids = route(router_logits, ks.routing, correction_bias)
-    return fused_experts(ks, hidden_states, topk_weights, topk_ids, w13, w2)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
+    if ks.routing.correction_bias:
+        if correction_bias is None:
+            raise ValueError("this spec has correction_bias: true; pass correction_bias=[num_experts] tensor")
+        _check("correction_bias", correction_bias, (ks.num_experts,), None, hidden_states.device)
+    if num_tokens == 0:
+        return hidden_states.new_empty((0, ks.hidden_size))
+    cfg = config or ks.config_for(num_tokens)
+    weights, aligned = route_and_align(ks, router_logits, correction_bias, cfg.block_m)
+    return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
