@@ -4,7 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pathlib import Path
+
 from moegen.errors import MoegenError
+from moegen.tune.cache_cli import add_cache_parser
+
+
+class UsageError(MoegenError):
+    exit_code = 2
 
 
 def _cmd_validate(args) -> int:
@@ -17,9 +24,37 @@ def _cmd_validate(args) -> int:
     return 0
 
 
+def _buckets(text: str | None):
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--buckets {text!r}: expected comma-separated token counts, e.g. 1,8,64") from None
+
+
+def _cmd_tune(args) -> int:
+    from moegen.tune.runner import tune
+
+    tune(args.spec, buckets=_buckets(args.buckets), save_dir=args.save_dir, force=args.force)
+    return 0
+
+
 def _cmd_build(args) -> int:
     from moegen.package import build
 
+    if args.tune:
+        from moegen.ir import lower
+        from moegen.spec import load_spec
+        from moegen.target import current_gpu
+        from moegen.tune.runner import tune
+
+        target = lower(load_spec(args.spec), args.spec).target
+        here = current_gpu()
+        if here is None or here.name != target.name:
+            raise UsageError(f"{args.spec}: --tune measures this machine's GPU ({here.name if here else 'none'}) "
+                             f"but the spec targets {target.name}; tune on a {target.name} or change target.gpu")
+        tune(args.spec, save_dir=args.save_dir)
     folder, changed = build(args.spec, args.output)
     print(f"{folder}: {'built' if changed else 'up to date'}")
     return 0
@@ -36,7 +71,21 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="render a spec into an importable package")
     b.add_argument("spec")
     b.add_argument("-o", "--output", default="generated", help="output folder (default: generated/)")
+    b.add_argument("--tune", action="store_true",
+                   help="first tune the buckets the tuning database lacks for this GPU (needs the target GPU)")
+    b.add_argument("--save-dir", type=Path, default=None,
+                   help="where tuning results go (default: MOEGEN_TUNED_CONFIG_DIR, else the shipped tuned/)")
     b.set_defaults(run=_cmd_build)
+
+    t = sub.add_parser("tune", help="autotune kernel configs per token bucket on this GPU into the tuning database")
+    t.add_argument("spec")
+    t.add_argument("--buckets", help="comma-separated token buckets (default: the spec's)")
+    t.add_argument("--save-dir", type=Path, default=None,
+                   help="where results go (default: MOEGEN_TUNED_CONFIG_DIR, else the shipped tuned/)")
+    t.add_argument("--force", action="store_true", help="re-tune buckets the database already has")
+    t.set_defaults(run=_cmd_tune)
+
+    add_cache_parser(sub)
     return p
 
 

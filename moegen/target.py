@@ -15,6 +15,9 @@ if TYPE_CHECKING:  # schema imports nothing from here; keep the import one-way a
     from moegen.spec.schema import Spec, TargetSpec
 
 
+INTERPRETER = "Triton interpreter"
+
+
 @dataclass(frozen=True)
 class GpuTarget:
     name: str  # as torch.cuda.get_device_name prints it
@@ -44,6 +47,9 @@ _GPUS: tuple[GpuTarget, ...] = (
     GpuTarget("NVIDIA GeForce RTX 4090", "rtx4090", 89, 128, 1008, 165, 25, 23.6, 99),
     GpuTarget("NVIDIA GeForce RTX 3090", "rtx3090", 86, 82, 936, 71, 25, 23.6, 99),
     GpuTarget("NVIDIA B200", "b200", 100, 148, 8000, 2250, 55, 178.4, 227),
+    # Triton's CPU interpreter (TRITON_INTERPRET=1): a target for tests, so that the tuner and
+    # its database can be exercised without a GPU. Its figures are nominal.
+    GpuTarget(INTERPRETER, "interpreter", 0, 1, 10, 0.01, 10, 8.0, 227),
 )
 
 
@@ -102,7 +108,8 @@ def resolve_target(target: "TargetSpec") -> GpuTarget:
 
 
 def current_gpu() -> Optional[GpuTarget]:
-    """The CUDA device this process sees (device 0), or None without CUDA.
+    """The CUDA device this process sees (device 0); the interpreter target when Triton runs on
+    the CPU (TRITON_INTERPRET=1); else None.
 
     An unknown device keeps its own name, SM count, memory and shared memory, and borrows the
     throughput figures of the table entry with the closest compute capability.
@@ -110,7 +117,9 @@ def current_gpu() -> Optional[GpuTarget]:
     import torch  # lazy: the spec loader and CLI help must not pay for importing torch
 
     if not torch.cuda.is_available():
-        return None
+        from moegen import knobs
+
+        return lookup_gpu(INTERPRETER) if knobs.triton_interpret() else None
     known = lookup_gpu(torch.cuda.get_device_name(0))
     if known is not None:
         return known

@@ -14,7 +14,7 @@ import torch
 from moegen import reference as ref
 from moegen.runtime.align import align_tokens
 
-TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2}
+TOLERANCE = ref.TOLERANCE
 TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

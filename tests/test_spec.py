@@ -325,7 +325,7 @@ def test_extra_aliases():
     assert lookup_gpu("H100-SXM").alias == "h100" and lookup_gpu("a100-80gb").alias == "a100"
 
 
-def test_current_gpu_unknown_device_borrows_closest_arch(monkeypatch):
+def test_current_gpu_unknown_device_borrows_closest_arch_and_interpreter(monkeypatch):
     import types
 
     import torch
@@ -345,7 +345,10 @@ def test_current_gpu_unknown_device_borrows_closest_arch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert current_gpu() == lookup_gpu("h200")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert current_gpu() is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert current_gpu() == lookup_gpu("interpreter")
 
 
 def test_docs_cover_every_field_and_gpu():

@@ -11,13 +11,9 @@ from moegen import __version__
 from moegen.plan import BuildPlan
 from moegen.plan.configs import pow2_at_least
 from moegen.plan.cost_model import FORMULAS, matrix_tflops
-from moegen.render import DOT_PRECISION, TORCH_DTYPES, kernel_name, render, template_hashes
+from moegen.render import (DOT_PRECISION, DOWN_TEMPLATE, GATE_UP_TEMPLATE, ROUTE_ALIGN_TEMPLATE, TORCH_DTYPES,
+                           kernel_name, render, template_hashes)
 
-ROUTE_ALIGN_TEMPLATE = "moe_route_align.py.jinja"
-GATE_UP_TEMPLATE = "moe_gate_up.py.jinja"
-DOWN_TEMPLATE = "moe_down_reduce.py.jinja"
-# The templates whose text shapes the compiled kernels (and so the tuning results).
-KERNEL_TEMPLATES = (ROUTE_ALIGN_TEMPLATE, GATE_UP_TEMPLATE, DOWN_TEMPLATE)
 
 
 def tool_versions() -> dict[str, str]:

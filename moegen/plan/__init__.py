@@ -1,11 +1,14 @@
-"""Plan: per token bucket, the analytic cost and the kernel config the build will use."""
+"""Plan: per token bucket, the analytic cost and the kernel config the build will use: from the
+tuning database where it has an entry, else the cost model's default."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from moegen.ir import ModelIR
 from moegen.plan.configs import default_config
 from moegen.plan.cost_model import BucketCost, bucket_cost
+from moegen.render import KERNEL_TEMPLATES
 from moegen.runtime.fused import KernelConfig
 
 COST_MODEL = "cost-model"
@@ -16,7 +19,7 @@ class BucketPlan:
     tokens: int
     cost: BucketCost
     config: KernelConfig
-    source: str  # where the config came from: "cost-model" or a tuning-database file
+    source: str  # where the config came from: "cost-model" or "tuned:<database file>"
 
 
 @dataclass(frozen=True)
@@ -25,9 +28,17 @@ class BuildPlan:
     buckets: tuple[BucketPlan, ...]
 
 
-def plan(ir: ModelIR) -> BuildPlan:
+def plan(ir: ModelIR, db=None, spec_path: Optional[str] = None) -> BuildPlan:
+    """db: a moegen.tune.db.TuningDb (None: the default search path). A miss falls back to the
+    cost model, or raises MissingTunedConfigError under MOEGEN_REQUIRE_TUNED=1."""
+    from moegen.tune.db import TuningDb, resolve
+
+    db = TuningDb() if db is None else db
     sig, target = ir.signature, ir.target
-    return BuildPlan(ir, tuple(
-        BucketPlan(t, bucket_cost(sig, target, t), default_config(sig, target, t), COST_MODEL)
-        for t in ir.spec.workload.token_buckets
-    ))
+    buckets = []
+    for tokens in ir.spec.workload.token_buckets:
+        entry = resolve(db, target.name, sig, tokens, KERNEL_TEMPLATES, spec_path or ir.spec_file)
+        config, source = ((entry.config, f"tuned:{entry.path.name}") if entry is not None
+                          else (default_config(sig, target, tokens), COST_MODEL))
+        buckets.append(BucketPlan(tokens, bucket_cost(sig, target, tokens), config, source))
+    return BuildPlan(ir, tuple(buckets))

@@ -11,6 +11,12 @@ import jinja2
 
 from moegen import knobs
 
+ROUTE_ALIGN_TEMPLATE = "moe_route_align.py.jinja"
+GATE_UP_TEMPLATE = "moe_gate_up.py.jinja"
+DOWN_TEMPLATE = "moe_down_reduce.py.jinja"
+# The templates whose text shapes the compiled kernels (and so the tuning results).
+KERNEL_TEMPLATES = (ROUTE_ALIGN_TEMPLATE, GATE_UP_TEMPLATE, DOWN_TEMPLATE)
+
 TORCH_DTYPES = {"bfloat16": "_torch.bfloat16", "float16": "_torch.float16", "float32": "_torch.float32"}
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # float32 models use exact fp32 products: tf32 would miss the 1e-4 accuracy bar.

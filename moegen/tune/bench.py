@@ -1,0 +1,94 @@
+"""Timing: CUDA-graph replay timed with events (median of repeats) on a GPU; wall clock under
+Triton's interpreter, so the whole tuner runs (slowly, on tiny shapes) in CPU tests."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def time_cpu(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median wall time in microseconds."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def time_cuda_graph(fn: Callable[[], object], target_ms: float = 25.0, repeats: int = 5) -> float:
+    """Median microseconds per call of fn, captured once in a CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside the graph: compilation, allocator
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    once_ms = max(start.elapsed_time(end), 1e-3)
+    replays = max(1, min(1000, int(target_ms / repeats / once_ms)))
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / replays)
+    del graph
+    return statistics.median(samples)
+
+
+def time_call(fn: Callable[[], object], on_gpu: bool) -> float:
+    return time_cuda_graph(fn) if on_gpu else time_cpu(fn)
+
+
+def _streaming_read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def streaming_read(src_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
+        # A persistent grid-stride loop of wide loads; the sum keeps the loads alive.
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(pid * BLOCK, numel, programs * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(src_ptr + offs, mask=offs < numel, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+    return streaming_read
+
+
+def measure_ceilings(device: str = "cuda") -> tuple[float, float, float, float]:
+    """(copy GB/s, streaming-read GB/s, HBM GB/s, bf16 TFLOP/s) measured here. HBM bandwidth is
+    the higher of a device copy (bytes read + written) and a streaming-read kernel; the rate is a
+    large bf16 matmul on random data (zeros run faster than real data)."""
+    numel = 2 << 30  # 4 GiB of bf16, far beyond L2
+    src = torch.randn(numel // 1024, 1024, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_us = time_cuda_graph(lambda: dst.copy_(src), target_ms=60)
+    del dst
+    kernel = _streaming_read_kernel()
+    programs = torch.cuda.get_device_properties(device).multi_processor_count * 8
+    partial = torch.empty(programs, device=device, dtype=torch.float32)
+    read_us = time_cuda_graph(lambda: kernel[(programs,)](src, partial, numel, BLOCK=4096, num_warps=8),
+                              target_ms=60)
+    copy_gbps = 2 * numel * 2 / (copy_us * 1e3)
+    read_gbps = numel * 2 / (read_us * 1e3)
+    del src
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    mm_us = time_cuda_graph(lambda: a @ b, target_ms=100)
+    tflops = 2 * 8192 ** 3 / (mm_us * 1e6)
+    return copy_gbps, read_gbps, max(copy_gbps, read_gbps), tflops

@@ -1,0 +1,434 @@
+"""The tuning database: measured kernel configs per (device, kernel signature, token bucket).
+
+One human-readable JSON file per (device, signature), named ``{signature.key}__{device_slug}.json``,
+so the name holds every input that changes the answer. Each file carries metadata; an entry is used
+only where device, signature, Triton version and kernel-template hash match. A value that is
+missing or null is unknown: it does not invalidate, and the next save fills it in. Writes happen
+under a file lock, merge with what is on disk and replace the file atomically; a file whose
+metadata definitely differs is never overwritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import moegen
+from moegen import knobs
+from moegen.errors import MoegenError
+from moegen.ir import KernelSignature
+from moegen.render import template_hashes
+from moegen.runtime.fused import KernelConfig
+
+BUNDLE_FORMAT = "moegen-tuning-bundle"
+BUNDLE_VERSION = 1
+# Metadata fields that decide whether an entry applies; torch and moegen versions are only recorded
+# (the torch build differs between CPU CI and the GPU machine without changing the kernels).
+CHECKED_FIELDS = ("device", "signature", "triton", "template_hash")
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelConfig))
+# Fields added later with a default (e.g. split_k) may be absent from older files.
+_REQUIRED_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelConfig)
+                                    if f.default is dataclasses.MISSING)
+
+
+class TuningInputError(MoegenError):
+    """A tuning file or bundle that cannot be read: bad input, exit code 2."""
+
+    exit_code = 2
+
+
+class IncompatibleDbError(MoegenError):
+    """A save would overwrite a file that holds results for a different device/version/templates."""
+
+
+class MissingTunedConfigError(MoegenError):
+    """Strict mode (MOEGEN_REQUIRE_TUNED=1): the tuning database has no entry for a bucket."""
+
+    def __init__(self, device: str, signature: KernelSignature, tokens: int, dirs: Sequence[Path],
+                 spec_path, notes: Sequence[str] = ()):
+        self.device, self.signature_key, self.tokens = device, signature.key, tokens
+        self.dirs, self.spec_path = list(dirs), str(spec_path)
+        searched = "; ".join(notes) or ", ".join(map(str, self.dirs)) or "no directories"
+        super().__init__(
+            f"no tuned config for {tokens} tokens of {signature.key} on {device} "
+            f"(file {db_file_name(device, signature)}; searched: {searched}); run "
+            f"`moegen tune {spec_path}` on a {device} to tune it, or unset MOEGEN_REQUIRE_TUNED to "
+            "build with the cost-model default")
+
+
+@dataclass(frozen=True)
+class DbMetadata:
+    device: Optional[str]
+    signature: Optional[dict]  # asdict(KernelSignature)
+    triton: Optional[str]
+    torch: Optional[str]
+    moegen: Optional[str]
+    template_hash: Optional[str]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DbMetadata":
+        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class TunedEntry:
+    config: KernelConfig
+    time_us: float
+    default_time_us: Optional[float]
+    floor_pct: Optional[float]
+    path: Path
+
+
+def device_slug(device_name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "_", device_name.lower())
+
+
+def db_file_name(device_name: str, signature: KernelSignature) -> str:
+    return f"{signature.key}__{device_slug(device_name)}.json"
+
+
+def template_hash(names: Iterable[str]) -> str:
+    """sha256 over the hashes of the templates that shape the compiled kernels."""
+    hashes = template_hashes()
+    missing = sorted(set(names) - set(hashes))
+    if missing:
+        raise MoegenError(f"kernel templates {missing} not found in {knobs.template_dir()}; "
+                          "check MOEGEN_TEMPLATE_DIR")
+    text = json.dumps({name: hashes[name] for name in names}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def installed_version(package: str) -> Optional[str]:
+    # Package metadata, not an import: reading a version must not pay for importing triton.
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None  # unknown: compatible with anything, healed by whoever has it installed
+
+
+def current_metadata(device_name: str, signature: KernelSignature, template_names: Iterable[str]) -> DbMetadata:
+    return DbMetadata(device=device_name, signature=asdict(signature), triton=installed_version("triton"),
+                      torch=installed_version("torch"), moegen=moegen.__version__,
+                      template_hash=template_hash(template_names))
+
+
+def _show(field: str, value) -> str:
+    return str(value)[:12] if field == "template_hash" else str(value)
+
+
+def differences(have: DbMetadata, want: DbMetadata) -> list[str]:
+    """Checked fields that definitely differ (both present and non-null), e.g. 'triton 3.5.0 != 3.6.0'."""
+    pairs = [(field, getattr(have, field), getattr(want, field)) for field in ("device", "triton", "template_hash")]
+    pairs += [(f"signature.{name}", (have.signature or {}).get(name), value)
+              for name, value in (want.signature or {}).items()]
+    return [f"{field} {_show(field, a)} != {_show(field, b)}"
+            for field, a, b in pairs if a is not None and b is not None and a != b]
+
+
+def _heal(disk: DbMetadata, new: DbMetadata) -> DbMetadata:
+    """New values win where known; unknown ones keep what the disk knew."""
+    merged = {f.name: getattr(new, f.name) if getattr(new, f.name) is not None else getattr(disk, f.name)
+              for f in dataclasses.fields(DbMetadata)}
+    if disk.signature or new.signature:
+        signature = dict(disk.signature or {})
+        signature.update({k: v for k, v in (new.signature or {}).items() if v is not None})
+        merged["signature"] = signature
+    return DbMetadata(**merged)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and validating one file
+
+
+def _number(value, nullable: bool) -> bool:
+    if value is None:
+        return nullable
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def validate(data, where) -> dict:
+    """The file content if it is a well-formed tuning file, else TuningInputError naming `where`."""
+    def bad(reason: str):
+        return TuningInputError(f"{where}: not a moegen tuning file ({reason}); fix or delete it, "
+                                "`moegen tune SPEC` writes a fresh one")
+
+    if not isinstance(data, dict) or not isinstance(data.get("metadata"), dict):
+        raise bad("no metadata object")
+    if not isinstance(data.get("buckets"), dict):
+        raise bad("no buckets object")
+    if not isinstance(data.get("failures", {}), dict):
+        raise bad("failures is not an object")
+    signature = data["metadata"].get("signature")
+    if signature is not None and not isinstance(signature, dict):
+        raise bad("metadata.signature is not an object")
+    for tokens, bucket in data["buckets"].items():
+        if not tokens.isdigit() or not isinstance(bucket, dict):
+            raise bad(f"bucket {tokens!r} is not '<tokens>': {{...}}")
+        config = bucket.get("config")
+        if not isinstance(config, dict) or not _REQUIRED_CONFIG_FIELDS <= set(config) <= _CONFIG_FIELDS or \
+                not all(isinstance(v, int) and not isinstance(v, bool) for v in config.values()):
+            raise bad(f"bucket {tokens}: config is not integer fields {sorted(_REQUIRED_CONFIG_FIELDS)} "
+                      f"(optionally {sorted(_CONFIG_FIELDS - _REQUIRED_CONFIG_FIELDS)})")
+        if not _number(bucket.get("time_us"), False) or not all(
+                _number(bucket.get(k), True) for k in ("default_time_us", "floor_pct")):
+            raise bad(f"bucket {tokens}: time_us, default_time_us or floor_pct is not a number")
+    return {"metadata": data["metadata"], "buckets": data["buckets"], "failures": data.get("failures", {})}
+
+
+def load_file(path: Path) -> dict:
+    """A tuning file's content; TuningInputError (exit code 2) if it is unreadable or malformed."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TuningInputError(f"{path}: no such file; `moegen cache list` shows the tuning files") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TuningInputError(f"{path}: not a moegen tuning file ({error}); fix or delete it") from None
+    return validate(data, path)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(path: Path, error: Exception) -> None:
+    key = str(Path(path).resolve())
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"ignored tuning file {path}: {error}", stacklevel=3)
+
+
+def db_files(directory: Path) -> list[Path]:
+    """The tuning files of a directory (lock, temporary and .corrupt files excluded)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.glob("*.json") if not p.name.startswith(".") and p.is_file())
+
+
+def dumps(content: dict) -> str:
+    return json.dumps(content, indent=2, sort_keys=True) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the search path and lookups
+
+
+def shipped_dir() -> Path:
+    """The tuned/ folder at the repository root: results shipped with moegen."""
+    return Path(moegen.__file__).resolve().parents[1] / "tuned"
+
+
+def default_search_path() -> list[Path]:
+    """MOEGEN_TUNED_CONFIG_DIR (if set) first, then the shipped database."""
+    user = knobs.tuned_config_dir()
+    return ([user] if user else []) + [shipped_dir()]
+
+
+class TuningDb:
+    """An ordered list of directories; the first compatible file holding a bucket answers."""
+
+    def __init__(self, dirs: Optional[Sequence[Path]] = None):
+        self.dirs = [Path(d) for d in (default_search_path() if dirs is None else dirs)]
+
+    def _compatible(self, device_name, signature, template_names) -> Iterable[tuple[Path, dict]]:
+        want = current_metadata(device_name, signature, template_names)
+        for directory in self.dirs:
+            path = directory / db_file_name(device_name, signature)
+            if not path.exists():
+                continue
+            try:
+                content = load_file(path)
+            except TuningInputError as error:
+                _warn_once(path, error)
+                continue
+            if not differences(DbMetadata.from_dict(content["metadata"]), want):
+                yield path, content
+
+    def lookup(self, device_name: str, signature: KernelSignature, tokens: int,
+               template_names: Iterable[str]) -> Optional[TunedEntry]:
+        for path, content in self._compatible(device_name, signature, list(template_names)):
+            bucket = content["buckets"].get(str(tokens))
+            if bucket is not None:
+                return TunedEntry(KernelConfig(**bucket["config"]), bucket["time_us"],
+                                  bucket.get("default_time_us"), bucket.get("floor_pct"), path)
+        return None
+
+    def failures(self, device_name: str, signature: KernelSignature, template_names: Iterable[str]) -> dict:
+        """Configs known to fail (compile/launch/verify), from every compatible file; earlier dirs win."""
+        merged: dict = {}
+        for _, content in self._compatible(device_name, signature, list(template_names)):
+            merged = {**content["failures"], **merged}
+        return merged
+
+    def explain(self, device_name: str, signature: KernelSignature, tokens: int,
+                template_names: Iterable[str]) -> list[str]:
+        """Why each directory did not answer: for the strict-mode error message."""
+        want = current_metadata(device_name, signature, template_names)
+        notes = []
+        for directory in self.dirs:
+            path = directory / db_file_name(device_name, signature)
+            try:
+                content = load_file(path)
+            except TuningInputError as error:
+                notes.append(f"{directory}: " + ("no file" if not path.exists() else f"corrupt ({error})"))
+                continue
+            stale = differences(DbMetadata.from_dict(content["metadata"]), want)
+            notes.append(f"{directory}: " + (f"stale ({', '.join(stale)})" if stale else f"no bucket {tokens}"))
+        return notes
+
+
+def resolve(db: TuningDb, device_name: str, signature: KernelSignature, tokens: int,
+            template_names: Iterable[str], spec_path) -> Optional[TunedEntry]:
+    """db.lookup, except that a miss is MissingTunedConfigError when MOEGEN_REQUIRE_TUNED is set."""
+    template_names = list(template_names)
+    entry = db.lookup(device_name, signature, tokens, template_names)
+    if entry is None and knobs.require_tuned():
+        raise MissingTunedConfigError(device_name, signature, tokens, db.dirs, spec_path,
+                                      db.explain(device_name, signature, tokens, template_names))
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------
+# saving: lock, re-read, merge, atomic replace
+
+
+def _bucket_record(value: dict) -> dict:
+    config = value["config"]
+    return {
+        "config": asdict(config) if isinstance(config, KernelConfig) else dict(config),
+        "time_us": float(value["time_us"]),
+        "default_time_us": None if value.get("default_time_us") is None else float(value["default_time_us"]),
+        "floor_pct": None if value.get("floor_pct") is None else float(value["floor_pct"]),
+        "candidates": int(value.get("candidates", 0)),
+    }
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, 0o644)  # mkstemp makes 0600; the database is meant to be shared
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
+
+
+def merge_file(path: Path, content: dict) -> bool:
+    """Merge `content` (a valid tuning file) into `path`; returns True if the file changed.
+
+    Under an exclusive lock, so that concurrent tuners lose nothing: buckets on disk are kept unless
+    `content` has the same bucket (new wins), failures are unioned, unknown metadata heals."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        new_meta = DbMetadata.from_dict(content["metadata"])
+        merged = {"metadata": asdict(new_meta), "buckets": dict(content["buckets"]),
+                  "failures": dict(content["failures"])}
+        old_text = None
+        if path.exists():
+            try:
+                old_text = path.read_text()
+                disk = validate(json.loads(old_text), path)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, TuningInputError) as error:
+                aside = path.with_name(path.name + ".corrupt")
+                warnings.warn(f"tuning file {path} is corrupt ({error}); moved it to {aside.name} "
+                              "and wrote the new results", stacklevel=3)
+                os.replace(path, aside)
+                old_text = None
+            else:
+                disk_meta = DbMetadata.from_dict(disk["metadata"])
+                differ = differences(disk_meta, new_meta)
+                if differ:
+                    raise IncompatibleDbError(
+                        f"{path} holds results for other inputs ({', '.join(differ)}; on disk != new); "
+                        "not overwritten. Save elsewhere with MOEGEN_TUNED_CONFIG_DIR=<other dir>, "
+                        "or delete the file to re-tune")
+                merged = {"metadata": asdict(_heal(disk_meta, new_meta)),
+                          "buckets": {**disk["buckets"], **content["buckets"]},
+                          "failures": {**disk["failures"], **content["failures"]}}
+        text = dumps(merged)
+        if text == old_text:
+            return False  # identical content is not rewritten
+        _atomic_write(path, text)
+        return True
+
+
+def save(directory: Path, metadata: DbMetadata, buckets: dict, failures: dict) -> Path:
+    """Merge results into `directory`'s file for (metadata.device, metadata.signature).
+
+    buckets: {tokens: {"config": KernelConfig, "time_us", "default_time_us", "floor_pct", "candidates"}};
+    failures: {KernelConfig or its key: short error text}. Raises IncompatibleDbError rather than overwrite a file
+    whose metadata definitely differs."""
+    path = Path(directory) / db_file_name(metadata.device, KernelSignature(**metadata.signature))
+    content = {"metadata": asdict(metadata),
+               "buckets": {str(int(tokens)): _bucket_record(value) for tokens, value in buckets.items()},
+               "failures": {(k.key if isinstance(k, KernelConfig) else str(k)): str(v)
+                            for k, v in failures.items()}}
+    merge_file(path, validate(content, path))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# bundles: {"format": "moegen-tuning-bundle", "version": 1, "files": {name: content}}
+
+
+def export_bundle(directory: Path) -> dict:
+    """Every readable tuning file of `directory`; corrupt ones are warned about and left out."""
+    files = {}
+    for path in db_files(directory):
+        try:
+            files[path.name] = load_file(path)
+        except TuningInputError as error:
+            warnings.warn(f"left out of the bundle: {error}", stacklevel=2)
+    return {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "files": files}
+
+
+def _check_name(name, where) -> None:
+    if not isinstance(name, str) or not name.endswith(".json") or name.startswith(".") or \
+            Path(name).name != name:
+        raise TuningInputError(f"{where}: file name {name!r} is not a plain '<key>__<device>.json' name; "
+                               "create bundles with `moegen cache export`")
+
+
+def read_bundle(path: Path) -> dict[str, dict]:
+    """{file name: content} of a bundle, every file validated before anything is merged."""
+    path = Path(path)
+    fix = "create one with `moegen cache export -o FILE`"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TuningInputError(f"{path}: no such bundle; {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TuningInputError(f"{path}: not a JSON tuning bundle ({error}); {fix}") from None
+    if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT or not isinstance(data.get("files"), dict):
+        raise TuningInputError(f"{path}: not a moegen tuning bundle (expected \"format\": "
+                               f"\"{BUNDLE_FORMAT}\" and a \"files\" object); {fix}")
+    if data.get("version") != BUNDLE_VERSION:
+        raise TuningInputError(f"{path}: bundle version {data.get('version')!r}, this moegen reads "
+                               f"version {BUNDLE_VERSION}; export it again with this moegen")
+    for name, content in data["files"].items():
+        _check_name(name, path)
+        validate(content, f"{path}: {name}")
+    return data["files"]
+
+
+def read_dir(directory: Path) -> dict[str, dict]:
+    """{file name: content} of a database directory, for merging it elsewhere; corrupt -> error."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise TuningInputError(f"{directory}: no such directory; pass a folder of tuning files")
+    return {path.name: load_file(path) for path in db_files(directory)}

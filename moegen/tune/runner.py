@@ -1,0 +1,223 @@
+"""The autotuner: per token bucket, search configs on the current device, verify each
+candidate's output against the float64 reference before its time counts, and save the best to
+the tuning database. Progress goes to stderr, the final table to stdout."""
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional, TextIO
+
+import torch
+
+from moegen import reference
+from moegen.errors import MoegenError
+from moegen.ir import ModelIR, lower
+from moegen.package.sources import render_sources, tool_versions
+from moegen.package.writer import write_package
+from moegen.plan import plan
+from moegen.plan.configs import default_config
+from moegen.render import KERNEL_TEMPLATES
+from moegen.runtime.fused import KernelConfig, fused_moe
+from moegen.spec import load_spec
+from moegen.target import current_gpu
+from moegen.tune import bench, db as tuning_db, space
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class BucketResult:
+    tokens: int
+    config: KernelConfig
+    time_us: float
+    default_time_us: float
+    floor_us: float
+    candidates: int
+
+    @property
+    def floor_pct(self) -> float:
+        return 100.0 * self.floor_us / self.time_us
+
+    @property
+    def gain_pct(self) -> float:
+        return 100.0 * (self.default_time_us / self.time_us - 1.0)
+
+
+@dataclass(frozen=True)
+class TuneReport:
+    device: str
+    spec_name: str
+    results: tuple[BucketResult, ...]
+    skipped: tuple[int, ...]  # buckets already in the database
+    benchmarked: int  # candidates timed in this run
+    saved_to: Optional[Path]
+    seconds: float
+
+
+class _Problem:
+    """Inputs, the float64 reference and the floor of one bucket on this device."""
+
+    def __init__(self, ir: ModelIR, tokens: int, weights, device: str, ceilings: tuple[float, float]):
+        m = ir.spec.model
+        generator = torch.Generator(device="cpu").manual_seed(tokens)
+        dtype = TORCH_DTYPES[m.dtype]
+        self.x = torch.randn(tokens, m.hidden_size, generator=generator).to(device=device, dtype=dtype)
+        self.bias = (torch.rand(m.num_experts, generator=generator) * 0.1).to(device) if m.correction_bias else None
+        self.logits = reference.separated_router_logits(tokens, ir.routing, self.bias, generator=generator,
+                                                        device=device, dtype=dtype)
+        self.w13, self.w2 = weights
+        self.expected = reference.moe_reference(self.x, self.logits, self.w13, self.w2, ir.routing,
+                                                m.activation, self.bias)
+        touched = int(torch.unique(reference.route_reference(self.logits, ir.routing, self.bias)[1]).numel())
+        nbytes = touched * 3 * m.hidden_size * m.intermediate_size * ir.signature.element_bytes \
+            + 2 * tokens * m.hidden_size * ir.signature.element_bytes
+        flops = 6 * tokens * m.top_k * m.hidden_size * m.intermediate_size
+        bandwidth_gbps, tflops = ceilings
+        self.floor_us = max(nbytes / (bandwidth_gbps * 1e3), flops / (tflops * 1e6))
+        self.tolerance = reference.TOLERANCE[m.dtype]
+
+
+def _weights(ir: ModelIR, device: str):
+    m = ir.spec.model
+    generator = torch.Generator(device=device).manual_seed(0)
+    dtype = TORCH_DTYPES[m.dtype]
+    w13 = torch.randn(m.num_experts, 2 * m.intermediate_size, m.hidden_size, device=device,
+                      generator=generator, dtype=torch.float32).mul_(m.hidden_size ** -0.5).to(dtype)
+    w2 = torch.randn(m.num_experts, m.hidden_size, m.intermediate_size, device=device,
+                     generator=generator, dtype=torch.float32).mul_(m.intermediate_size ** -0.5).to(dtype)
+    return w13, w2
+
+
+def _load_kernels(ir: ModelIR, workdir: Path):
+    from moegen import load
+
+    files = render_sources(plan(ir, db=tuning_db.TuningDb([])), tool_versions())
+    write_package(workdir / ir.spec.package_name, files)
+    return load(workdir / ir.spec.package_name).KERNELS
+
+
+class _Search:
+    """Coordinate descent over one bucket, remembering failures across buckets."""
+
+    def __init__(self, kernels, problem: _Problem, on_gpu: bool, failures: dict, log: Callable[[str], None]):
+        self.kernels, self.problem, self.on_gpu = kernels, problem, on_gpu
+        self.failures, self.log = failures, log
+        self.timed = 0
+
+    def measure(self, config: KernelConfig) -> float:
+        """Microseconds per call, or inf if the config fails to compile, launch or verify."""
+        if config.key in self.failures:
+            return math.inf
+        p = self.problem
+
+        def call():
+            return fused_moe(self.kernels, p.x, p.logits, p.w13, p.w2, correction_bias=p.bias, config=config)
+
+        try:
+            error = reference.relative_error(call(), p.expected)
+            if not error <= p.tolerance:
+                raise MoegenError(f"wrong result: relative error {error:.2e} > {p.tolerance:g}")
+            self.timed += 1
+            return bench.time_call(call, self.on_gpu)
+        except Exception as failure:  # a candidate that cannot run is recorded, never fatal
+            self.failures[config.key] = f"{type(failure).__name__}: {str(failure).splitlines()[0][:200]}"
+            self.log(f"    {config.key}: {self.failures[config.key]}")
+            if self.on_gpu:
+                torch.cuda.synchronize()
+            return math.inf
+
+    def best_of(self, configs) -> tuple[KernelConfig, float]:
+        timed = [(self.measure(c), i, c) for i, c in enumerate(configs)]
+        best_time, _, best = min(timed)
+        return best, best_time
+
+
+def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[Path] = None,
+         force: bool = False, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> TuneReport:
+    started = time.perf_counter()
+    out, err = out or sys.stdout, err or sys.stderr
+
+    def log(line: str) -> None:
+        print(line, file=err, flush=True)
+
+    spec = load_spec(spec_path)
+    ir = lower(spec, spec_path)
+    gpu = current_gpu()
+    if gpu is None:
+        raise MoegenError("tuning needs a CUDA GPU (or TRITON_INTERPRET=1 for a slow CPU run on tiny shapes)")
+    if gpu.name != ir.target.name:
+        log(f"note: {spec_path} targets {ir.target.name}; results are saved for this {gpu.name}")
+    ir = replace(ir, target=gpu)
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+
+    db = tuning_db.TuningDb()
+    wanted = list(buckets or spec.workload.token_buckets)
+    known = {t for t in wanted if not force and db.lookup(gpu.name, ir.signature, t, KERNEL_TEMPLATES)}
+    todo = [t for t in wanted if t not in known]
+    target_dir = Path(save_dir) if save_dir else db.dirs[0]
+    if not todo:
+        log(f"{spec.name}: all {len(wanted)} buckets already tuned for {gpu.name}; nothing to benchmark")
+        return TuneReport(gpu.name, spec.name, (), tuple(sorted(known)), 0, None, time.perf_counter() - started)
+
+    ceilings = bench.measure_ceilings()[2:] if on_gpu else (gpu.hbm_gbps, gpu.bf16_tflops)
+    log(f"{spec.name} on {gpu.name}: {len(todo)} buckets to tune"
+        + (f" (HBM {ceilings[0]:.0f} GB/s, bf16 {ceilings[1]:.0f} TFLOP/s measured)" if on_gpu else ""))
+    failures = dict(db.failures(gpu.name, ir.signature, KERNEL_TEMPLATES))
+    metadata = tuning_db.current_metadata(gpu.name, ir.signature, KERNEL_TEMPLATES)
+    results, benchmarked, saved = [], 0, None
+    with tempfile.TemporaryDirectory(prefix="moegen-tune-") as workdir:
+        kernels = _load_kernels(ir, Path(workdir))
+        weights = _weights(ir, device)
+        for index, tokens in enumerate(todo, 1):
+            problem = _Problem(ir, tokens, weights, device, ceilings)
+            search = _Search(kernels, problem, on_gpu, failures, log)
+            default = default_config(ir.signature, gpu, tokens)
+            default_time = search.measure(default)
+            best, best_time, tried = default, default_time, 1
+            for start in space.starting_points(ir.signature, gpu, tokens):
+                gate_up = space.gate_up_candidates(start, ir.signature, gpu)
+                step, _ = search.best_of(gate_up)
+                down = space.down_candidates(step, ir.signature, gpu)
+                step, step_time = search.best_of(down)
+                tried += len(gate_up) + len(down)
+                if step_time < best_time:
+                    best, best_time = step, step_time
+                log(f"  bucket {index}/{len(todo)} T={tokens}: block_m={start.block_m} done, "
+                    f"{tried} candidates, best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
+            if math.isinf(best_time):
+                raise MoegenError(f"no config ran correctly for {tokens} tokens; failures: {list(failures.items())[:3]}")
+            benchmarked += search.timed
+            result = BucketResult(tokens, best, best_time, default_time, problem.floor_us, tried)
+            results.append(result)
+            saved = _save(target_dir, metadata, result, failures)  # per bucket: an interrupted run keeps its work
+            log(f"  bucket {index}/{len(todo)} T={tokens}: best {best.key} {best_time:.1f} us, "
+                f"default {default_time:.1f} us ({time.perf_counter() - started:.0f} s elapsed)")
+            del problem
+    report = TuneReport(gpu.name, spec.name, tuple(results), tuple(sorted(known)), benchmarked, saved,
+                        time.perf_counter() - started)
+    print(format_report(report), file=out)
+    return report
+
+
+def _save(directory: Path, metadata, r: BucketResult, failures: dict) -> Path:
+    record = {"config": r.config, "time_us": r.time_us,
+              "default_time_us": None if math.isinf(r.default_time_us) else r.default_time_us,
+              "floor_pct": r.floor_pct, "candidates": r.candidates}
+    return tuning_db.save(directory, metadata, {r.tokens: record}, failures)
+
+
+def format_report(report: TuneReport) -> str:
+    lines = [f"## {report.spec_name} on {report.device}: {len(report.results)} buckets tuned, "
+             f"{report.benchmarked} candidates benchmarked in {report.seconds:.0f} s; saved to {report.saved_to}",
+             "",
+             "| tokens | best config | time (us) | % of floor | default (us) | gain | candidates |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in report.results:
+        lines.append(f"| {r.tokens} | `{r.config.key}` | {r.time_us:.1f} | {r.floor_pct:.1f} | "
+                     f"{r.default_time_us:.1f} | {r.gain_pct:+.1f}% | {r.candidates} |")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The tuning search space: per token bucket, candidate configs pruned before anything compiles
+(resource limits, dimension clamps, duplicates). GEMM1 and GEMM2 are searched one after the
+other (coordinate descent), so the space grows with their sum, not their product."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moegen.ir import KernelSignature
+from moegen.plan.configs import default_config, pow2_at_least, violation
+from moegen.runtime.fused import KernelConfig
+from moegen.target import GpuTarget
+
+# (block_n, block_k, num_warps, num_stages) of GEMM1, by regime.
+GATE_UP_MEMORY = ((32, 128, 4, 4), (64, 128, 4, 4), (64, 64, 4, 6), (128, 128, 4, 3), (32, 256, 4, 3),
+                  (64, 256, 4, 3), (128, 64, 4, 4))
+GATE_UP_COMPUTE = ((64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 3),
+                   (64, 64, 8, 5), (128, 32, 4, 5))
+# (down_block_n, down_block_k, num_warps, num_stages, split_k) of GEMM2, by regime.
+DOWN_MEMORY = ((64, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 4, 2), (32, 256, 4, 3, 2),
+               (128, 128, 4, 3, 1), (64, 64, 4, 6, 4), (32, 128, 4, 4, 4))
+DOWN_COMPUTE = ((128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128, 128, 8, 3, 1),
+                (256, 64, 8, 3, 1), (64, 64, 4, 5, 1))
+
+
+def block_m_candidates(default: KernelConfig) -> tuple[int, ...]:
+    """The default row block and the one below it (fewer padding rows, more programs)."""
+    return tuple(sorted({default.block_m, max(16, default.block_m // 2)}))
+
+
+def _clamp(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
+    h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
+    return replace(c, block_n=max(16, min(c.block_n, i)), block_k=max(16, min(c.block_k, h)),
+                   down_block_n=max(16, min(c.down_block_n, h)), down_block_k=max(16, min(c.down_block_k, i)))
+
+
+def _keep(configs, signature: KernelSignature, target: GpuTarget) -> list[KernelConfig]:
+    seen, kept = set(), []
+    for c in configs:
+        c = _clamp(c, signature)
+        if c not in seen and violation(c, signature, target) is None:
+            seen.add(c)
+            kept.append(c)
+    return kept
+
+
+def gate_up_candidates(base: KernelConfig, signature, target) -> list[KernelConfig]:
+    variants = GATE_UP_MEMORY if base.block_m <= 32 else GATE_UP_COMPUTE
+    return _keep([base] + [replace(base, block_n=n, block_k=k, num_warps=w, num_stages=s)
+                           for n, k, w, s in variants], signature, target)
+
+
+def down_candidates(base: KernelConfig, signature, target) -> list[KernelConfig]:
+    variants = DOWN_MEMORY if base.block_m <= 32 else DOWN_COMPUTE
+    return _keep([base] + [replace(base, down_block_n=n, down_block_k=k, down_num_warps=w,
+                                   down_num_stages=s, split_k=x)
+                           for n, k, w, s, x in variants], signature, target)
+
+
+def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
+    """One start per block_m: the cost model's default with that row block."""
+    default = default_config(signature, target, tokens)
+    starts = []
+    for bm in block_m_candidates(default):
+        start = default if bm == default.block_m else default_config(
+            signature, target, max(1, int(tokens * bm / default.block_m)))
+        starts.append(replace(start, block_m=bm))
+    return _keep(starts, signature, target) or [default]

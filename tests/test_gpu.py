@@ -1,0 +1,380 @@
+"""The shipped specs' kernels on a real GPU, in bf16, against the float64 reference.
+
+Runs only where CUDA is available (`pytest -m gpu tests/test_gpu.py`; tools/gpu_check.py runs it
+first). Each shipped spec is built once per module and its random weights are allocated once
+(about 27 GB for all four, deepseek-v3 alone 22.5 GB) and freed at the end. The reference runs
+in float64 on the GPU, converting one expert at a time.
+
+Inputs are random, never zero; router logits come from separated_router_logits (or are
+redrawn until clear-cut for the skewed routings), so kernels must route exactly like the
+reference and any difference is the kernels' own arithmetic. Before every call the caching
+allocator is poisoned (a large and many small buffers filled with 0xFF bytes, a NaN in every
+float format, then freed), so a kernel that reads memory it never wrote produces NaN.
+"""
+from __future__ import annotations
+
+import gc
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from moegen import reference as ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is false)"),
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SPECS = ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3")
+TOLERANCE = 1.5e-2  # relative Frobenius error, bf16 in and out
+ROW_TOLERANCE = 4e-2  # worst single token: catches a dropped or garbage row hidden in a large T
+MIN_MARGIN = 1e-3  # routing margin of the redrawn skewed logits (as separated_router_logits)
+DEVICE = "cuda"
+DTYPE = torch.bfloat16  # every shipped spec is bf16
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+# ---------------------------------------------------------------------------------------------
+# Packages and weights, once per module
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Model:
+    pkg: object  # the generated package
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def m(self):
+        return self.pkg.SPEC.model
+
+    @property
+    def routing(self):
+        return self.pkg.KERNELS.routing
+
+
+class _Models:
+    """spec name -> Model, allocated on first use and kept until the module's end."""
+
+    def __init__(self, packages: dict):
+        self._packages = packages
+        self._models: dict[str, Model] = {}
+
+    def __getitem__(self, name: str) -> Model:
+        if name not in self._models:
+            pkg = self._packages[name]
+            m = pkg.SPEC.model
+            g = torch.Generator(device=DEVICE).manual_seed(_seed("weights", name))
+            e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+            w13 = torch.randn(e, 2 * i, h, generator=g, device=DEVICE, dtype=DTYPE).mul_(h ** -0.5)
+            w2 = torch.randn(e, h, i, generator=g, device=DEVICE, dtype=DTYPE).mul_(i ** -0.5)
+            self._models[name] = Model(pkg, w13, w2)
+        return self._models[name]
+
+    def clear(self) -> None:
+        self._models.clear()
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    from moegen import load
+    from moegen.package import build
+
+    out = tmp_path_factory.mktemp("gpu_packages")
+    return {name: load(build(REPO_ROOT / "specs" / f"{name}.yaml", out)[0]) for name in SPECS}
+
+
+@pytest.fixture(scope="module")
+def models(packages):
+    cache = _Models(packages)
+    yield cache
+    cache.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def poison_allocator() -> None:
+    """Fill cached-but-free allocator memory with 0xFF bytes (NaN as bf16/fp16/fp32), so the
+    next allocations start as NaN: one big block and a few medium ones for the large pool, many
+    small ones for the small pool (allocations under 1 MiB come from 2 MiB segments)."""
+    free, _ = torch.cuda.mem_get_info()
+    big = min(4 << 30, int(free * 0.5))
+    blocks = [torch.empty(big, dtype=torch.uint8, device=DEVICE)]
+    blocks += [torch.empty(size << 20, dtype=torch.uint8, device=DEVICE) for size in (2, 4, 8, 16, 32) * 4]
+    blocks += [torch.empty(256 << 10, dtype=torch.uint8, device=DEVICE) for _ in range(64)]
+    for block in blocks:
+        block.fill_(0xFF)
+    del blocks
+
+
+def row_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """The worst token's relative error (rows whose reference is ~0 count absolutely)."""
+    diff = torch.linalg.vector_norm(out.to(torch.float64) - expected, dim=1)
+    norm = torch.linalg.vector_norm(expected, dim=1).clamp_min(1e-6)
+    return float((diff / norm).max())
+
+
+def random_bias(num_experts: int, scale: float, generator) -> torch.Tensor:
+    return (torch.randn(num_experts, generator=generator) * scale).to(torch.float32).to(DEVICE)
+
+
+def skewed_logits(num_tokens: int, p, bias, generator, routing: str, hot: int,
+                  enabled: Optional[torch.Tensor]) -> torch.Tensor:
+    """Random logits reshaped so that every token picks expert `hot` ("one_expert") or only
+    experts in `enabled` ("half_experts"); rows are redrawn until the routing is clear-cut."""
+    e = p.num_experts
+    bias_cpu = None if bias is None else bias.cpu()
+
+    def shape(raw: torch.Tensor) -> torch.Tensor:
+        z = raw.clone()
+        if routing == "one_expert":
+            z[:, hot] = z.max(dim=1).values + 3.0
+        else:
+            z[:, ~enabled] = -20.0
+        return z.to(torch.float32)
+
+    raw = torch.randn(num_tokens, e, generator=generator, dtype=torch.float64)
+    for _ in range(500):
+        logits = shape(raw)
+        _, ids, margin = ref.route_reference(logits, p, bias_cpu)
+        good = margin >= MIN_MARGIN
+        if routing == "one_expert":
+            good &= (ids == hot).any(dim=1)
+        else:
+            good &= enabled[ids].all(dim=1)
+        if bool(good.all()):
+            return logits.to(DEVICE)
+        bad = ~good
+        raw[bad] = torch.randn(int(bad.sum()), e, generator=generator, dtype=torch.float64)
+    raise RuntimeError(f"could not draw clear-cut {routing} logits")
+
+
+def fresh_hidden(num_tokens: int, hidden: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(num_tokens, hidden, generator=g, device=DEVICE, dtype=DTYPE)
+
+
+def check_close(out: torch.Tensor, expected: torch.Tensor, what: str, tol: float = TOLERANCE) -> None:
+    assert bool(torch.isfinite(out).all()), f"{what}: output has NaN/inf (reads of unwritten memory?)"
+    err = ref.relative_error(out, expected)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+    worst = row_error(out, expected)
+    assert worst <= ROW_TOLERANCE, f"{what}: worst token's relative error {worst:.3e} > {ROW_TOLERANCE:.1e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The case matrix
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: str
+    tokens: int
+    routing: str = "random"  # random | one_expert | half_experts
+    bias_scale: float = 0.05  # correction bias ~ N(0, scale^2) for specs that have one
+
+    def __str__(self) -> str:
+        extra = "" if self.routing == "random" else f"-{self.routing}"
+        extra += "" if self.bias_scale == 0.05 else f"-bias{self.bias_scale:g}"
+        return f"{self.spec}-T{self.tokens}{extra}"
+
+
+CASES = (
+    [Case(spec, t) for spec in SPECS for t in (1, 7, 64, 1000, 4096)]
+    + [Case(spec, 0) for spec in SPECS]
+    + [Case(spec, 300, "one_expert") for spec in SPECS]
+    + [Case(spec, 200, "half_experts") for spec in SPECS]
+    + [Case("deepseek-v3", 64, bias_scale=0.5), Case("deepseek-v3", 1000, bias_scale=0.5)]
+)
+
+
+def case_inputs(case: Case, model: Model):
+    m, p = model.m, model.routing
+    g = torch.Generator().manual_seed(_seed("case", case))
+    bias = random_bias(m.num_experts, case.bias_scale, g) if m.correction_bias else None
+    x = fresh_hidden(case.tokens, m.hidden_size, _seed("x", case))
+    if case.routing == "random":
+        logits = ref.separated_router_logits(case.tokens, p, bias, generator=g, device=DEVICE)
+        return x, logits, bias, {}
+    hot = int(torch.randint(m.num_experts, (1,), generator=g))
+    enabled = torch.zeros(m.num_experts, dtype=torch.bool)
+    enabled[torch.randperm(m.num_experts, generator=g)[: m.num_experts // 2]] = True
+    logits = skewed_logits(case.tokens, p, bias, g, case.routing, hot, enabled)
+    return x, logits, bias, {"hot": hot, "enabled": enabled}
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fused_moe_matches_float64_reference(case, models):
+    model = models[case.spec]
+    m, p = model.m, model.routing
+    x, logits, bias, info = case_inputs(case, model)
+    poison_allocator()
+    out = model.pkg.fused_moe(x, logits, model.w13, model.w2, correction_bias=bias)
+    torch.cuda.synchronize()
+    assert tuple(out.shape) == (case.tokens, m.hidden_size)
+    assert out.dtype == DTYPE and out.device == x.device
+    if case.tokens == 0:
+        return
+
+    _, ids, _ = ref.route_reference(logits, p, bias)
+    if case.routing == "one_expert":
+        assert bool((ids == info["hot"]).any(dim=1).all())
+    elif case.routing == "half_experts":
+        touched = torch.unique(ids).cpu()
+        assert bool(info["enabled"][touched].all()) and touched.numel() <= m.num_experts // 2
+    if bias is not None and case.bias_scale >= 0.5:
+        # The bias must matter for this case to test anything: it changes some tokens' experts.
+        unbiased = ref.route_reference(logits, p, torch.zeros_like(bias))[1]
+        assert not torch.equal(ids.sort(dim=1).values, unbiased.sort(dim=1).values)
+
+    expected = ref.moe_reference(x, logits, model.w13, model.w2, p, m.activation, bias)
+    check_close(out, expected, str(case))
+
+
+def test_correction_bias_is_required(models):
+    model = models["deepseek-v3"]
+    x = fresh_hidden(3, model.m.hidden_size, 1)
+    logits = torch.randn(3, model.m.num_experts, device=DEVICE)
+    with pytest.raises(ValueError, match="correction_bias"):
+        model.pkg.fused_moe(x, logits, model.w13, model.w2)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_experts with the caller's routing
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=str)
+def test_fused_experts_with_caller_routing(spec, ids_dtype, models):
+    model = models[spec]
+    m = model.m
+    tokens = 97
+    g = torch.Generator().manual_seed(_seed("experts", spec, ids_dtype))
+    # k distinct experts per token, arbitrary positive weights (not normalized).
+    ids = torch.rand(tokens, m.num_experts, generator=g).argsort(dim=1)[:, : m.top_k].to(ids_dtype).to(DEVICE)
+    weights = (torch.rand(tokens, m.top_k, generator=g) + 0.1).to(DEVICE)
+    x = fresh_hidden(tokens, m.hidden_size, _seed("experts-x", spec))
+    poison_allocator()
+    out = model.pkg.fused_experts(x, weights, ids, model.w13, model.w2)
+    torch.cuda.synchronize()
+    assert tuple(out.shape) == (tokens, m.hidden_size) and out.dtype == DTYPE
+    expected = ref.experts_reference(x, weights, ids, model.w13, model.w2, m.activation)
+    check_close(out, expected, f"{spec} fused_experts")
+
+
+# ---------------------------------------------------------------------------------------------
+# MoELayer end to end, shared expert included
+# ---------------------------------------------------------------------------------------------
+
+
+def test_moe_layer_deepseek_with_shared_expert(packages):
+    pkg = packages["deepseek-v3"]
+    m, p = pkg.SPEC.model, pkg.KERNELS.routing
+    assert m.num_shared_experts > 0
+    torch.manual_seed(_seed("layer"))
+    layer = pkg.MoELayer(device=DEVICE)  # its own 22.5 GB of random (normal, 1/sqrt(fan_in)) weights
+    try:
+        with torch.no_grad():
+            layer.correction_bias.copy_(torch.randn(m.num_experts, device=DEVICE) * 0.05)
+            batch, seq, h = 3, 11, m.hidden_size
+            x = torch.randn(batch * seq, h, device=DEVICE, dtype=DTYPE)
+            # The layer routes on its own bf16 gate output, where ties are possible: redraw tokens
+            # until every selection is clear-cut, so any difference is the kernels' arithmetic.
+            for _ in range(100):
+                margin = ref.route_reference(layer.gate(x), p, layer.correction_bias)[2]
+                bad = margin < 1e-4
+                if not bool(bad.any()):
+                    break
+                x[bad] = torch.randn(int(bad.sum()), h, device=DEVICE, dtype=DTYPE)
+            else:
+                pytest.fail("could not draw clear-cut hidden states for the layer test")
+            seen = []
+            hook = layer.gate.register_forward_hook(lambda _mod, _inp, logits: seen.append(logits))
+            poison_allocator()
+            out = layer(x.view(batch, seq, h))
+            torch.cuda.synchronize()
+            hook.remove()
+            assert tuple(out.shape) == (batch, seq, h) and out.dtype == DTYPE
+            logits = seen[0]
+            expected = ref.moe_reference(x, logits, layer.w13, layer.w2, p, m.activation, layer.correction_bias)
+            shared = ref.gated_mlp_reference(x, layer.shared_w13, layer.shared_w2, m.activation)
+            expected = expected + shared
+            # the shared expert contributes a sizeable part: the test would catch it missing
+            assert float(shared.norm()) > 0.1 * float(expected.norm())
+            check_close(out.view(-1, h), expected, "deepseek-v3 MoELayer")
+    finally:
+        del layer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: a decode step captured once, replayed with new inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("spec", SPECS)
+def test_cuda_graph_decode_step(spec, tokens, models):
+    model = models[spec]
+    m, p = model.m, model.routing
+    g = torch.Generator().manual_seed(_seed("graph", spec, tokens))
+
+    def draw(round_: int):
+        x = fresh_hidden(tokens, m.hidden_size, _seed("graph-x", spec, tokens, round_))
+        bias = random_bias(m.num_experts, 0.05, g) if m.correction_bias else None
+        logits = ref.separated_router_logits(tokens, p, bias, generator=g, device=DEVICE)
+        return x, logits, bias
+
+    static_x, static_logits, static_bias = (t.clone() if t is not None else None for t in draw(0))
+
+    def step():
+        return model.pkg.fused_moe(static_x, static_logits, model.w13, model.w2, correction_bias=static_bias)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiles the kernels outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    torch.cuda.synchronize()
+
+    for round_ in (1, 2):  # two rounds: replays must not return a stale result
+        x, logits, bias = draw(round_)
+        static_x.copy_(x)
+        static_logits.copy_(logits)
+        if bias is not None:
+            static_bias.copy_(bias)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = static_out.clone()
+        poison_allocator()
+        eager = model.pkg.fused_moe(x, logits, model.w13, model.w2, correction_bias=bias)
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(replayed).all())
+        # Same kernels and config: equal up to the order of the atomic top-k reduction (a stale
+        # replay, computed from the previous round's inputs, would be off by ~100%).
+        assert ref.relative_error(replayed, eager) <= TOLERANCE, f"replay differs from eager (round {round_})"
+        expected = ref.moe_reference(x, logits, model.w13, model.w2, p, m.activation, bias)
+        check_close(replayed, expected, f"{spec} T={tokens} graph replay {round_}")
+        check_close(eager, expected, f"{spec} T={tokens} eager {round_}")
+    del graph

@@ -1,0 +1,589 @@
+#!/usr/bin/env python
+"""One-shot GPU check of moegen on the H200: tests, ceilings, and kernels against peers.
+
+    python tools/gpu_check.py [--specs a,b] [--tokens 1,8] [--skip-tests] [--quick]
+    TRITON_INTERPRET=1 python tools/gpu_check.py --cpu-smoke      # the same pipeline on the CPU
+
+1. Runs `pytest -q -m gpu tests/test_gpu.py` in a subprocess and prints its summary line
+   (a failure does not stop the script, but it exits non-zero at the end).
+2. Measures the two ceilings in this process: HBM bandwidth (the better of a large
+   device-to-device copy, counting bytes read + written, and a streaming torch.sum over a 4 GiB
+   bf16 tensor) and the bf16 GEMM rate (8192^3 torch.matmul on random data).
+3. For each shipped spec and token count, times moegen's fused_moe (routing included), a naive
+   per-expert PyTorch loop and torch._grouped_mm, each first checked against the float64
+   reference (T <= 4096 only: the reference at T = 16384 costs more than the whole benchmark).
+   Timing: CUDA events, warm-up then the median of repeats, with L2 evicted (a 256 MiB read)
+   before each timed call; for T <= 64, moegen and grouped_mm are captured in a CUDA graph and
+   replays are timed (the naive loop synchronizes with the host, so it runs eagerly).
+   Floor = max(bytes of the distinct experts this routing touches + activations in and out) /
+   HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2.
+4. Records the first fused_moe call after import per spec (T=1, Triton compilation included,
+   from an empty Triton cache unless --warm-triton-cache).
+
+Prints a markdown report; with $OUT set, also writes it to $OUT/gpu_check.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+SHIPPED_SPECS = ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3")
+TOKENS = (1, 8, 64, 512, 4096, 16384)
+SMOKE_SPECS = ("tiny",)
+SMOKE_TOKENS = (1, 5, 17)
+GRAPH_MAX_TOKENS = 64  # decode sizes: time CUDA-graph replays
+REFERENCE_MAX_TOKENS = 4096  # larger T are timed but not checked against the float64 reference
+TOLERANCE = {"bfloat16": 1.5e-2, "float16": 2e-3, "float32": 5e-3}  # float32 dots run as tf32 on GPU
+IMPLS = ("moegen", "naive", "grouped_mm")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--specs", help="comma-separated spec names (files in specs/) or paths; "
+                    f"default: {','.join(SHIPPED_SPECS)}")
+    ap.add_argument("--tokens", help=f"comma-separated token counts; default: {','.join(map(str, TOKENS))}")
+    ap.add_argument("--skip-tests", action="store_true", help="do not run tests/test_gpu.py first")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run the whole pipeline on the CPU (Triton interpreter, specs/tiny.yaml, "
+                         "perf_counter timing, no graphs)")
+    ap.add_argument("--warm-triton-cache", action="store_true",
+                    help="keep the user's Triton cache (the cold-start column then may not compile)")
+    args = ap.parse_args(argv)
+    args.spec_list = (args.specs.split(",") if args.specs
+                      else list(SMOKE_SPECS if args.cpu_smoke else SHIPPED_SPECS))
+    args.token_list = ([int(t) for t in args.tokens.split(",")] if args.tokens
+                       else list(SMOKE_TOKENS if args.cpu_smoke else TOKENS))
+    if any(t < 1 for t in args.token_list):
+        ap.error("--tokens must be positive")
+    for name in args.spec_list:
+        try:
+            resolve_spec(name)
+        except FileNotFoundError as exc:
+            ap.error(str(exc))
+    return args
+
+
+class Report:
+    """Prints as it goes and keeps every line for $OUT/gpu_check.md."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.extend(text.split("\n"))
+
+    def write(self, path: Path) -> None:
+        path.write_text("\n".join(self.lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 1: the GPU tests
+# ---------------------------------------------------------------------------------------------
+
+
+def run_tests(env: dict, say: Report) -> bool:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"]
+    say(f"$ {' '.join(cmd[2:])}")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    words = ("passed", "failed", "skipped", "error", "no tests ran", "deselected")
+    summary = next((line.strip("= ") for line in reversed(lines) if any(w in line for w in words)),
+                   lines[-1] if lines else "(no output)")
+    ok = proc.returncode == 0
+    say(f"tests: {summary} (exit {proc.returncode}, {time.perf_counter() - start:.0f} s wall)")
+    if not ok:
+        say("```")
+        for line in proc.stdout.splitlines()[-60:]:
+            say(line)
+        say("```")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+class Timer:
+    """Median wall time of fn() in microseconds: CUDA events on the GPU, perf_counter on the CPU.
+    On the GPU, L2 is evicted (a clean 256 MiB read, no dirty lines to write back) before each
+    timed call, outside the timed region."""
+
+    def __init__(self, torch, device, quick: bool):
+        self.torch, self.device, self.quick = torch, device, quick
+        self.cuda = device.type == "cuda"
+        self._flush_buf = (torch.ones(128 << 20, dtype=torch.float16, device=device) if self.cuda else None)
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def flush(self) -> None:
+        if self._flush_buf is not None:
+            self._flush_buf.sum()
+
+    def samples(self, fn: Callable, reps: int) -> list[float]:
+        if not self.cuda:
+            out = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - start) * 1e6)
+            return out
+        torch = self.torch
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for start, end in zip(starts, ends):
+            self.flush()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+    def median_us(self, fn: Callable, warmup: int = 2, target_s: Optional[float] = None,
+                  min_reps: Optional[int] = None, max_reps: Optional[int] = None) -> float:
+        target_s = target_s if target_s is not None else (0.08 if self.quick else 0.4)
+        min_reps = min_reps if min_reps is not None else (3 if self.quick else 5)
+        max_reps = max_reps if max_reps is not None else (25 if self.quick else 200)
+        for _ in range(max(warmup - 1, 0)):
+            fn()
+        self.sync()
+        estimate = self.samples(fn, 1)[0]
+        reps = int(min(max(target_s * 1e6 / max(estimate, 1.0), min_reps), max_reps))
+        return statistics.median(self.samples(fn, reps))
+
+
+def capture_graph(torch, fn: Callable):
+    """Warm up on a side stream (compiles every kernel), then capture one call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 2: ceilings
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float
+    read_gbps: float
+    gemm_tflops: float
+    gemm_dtype: str
+
+    @property
+    def hbm_gbps(self) -> float:
+        return max(self.copy_gbps, self.read_gbps)
+
+
+def measure_ceilings(torch, device, timer: Timer, smoke: bool) -> Ceilings:
+    if timer.cuda:  # the tuner's measurement, so both report against the same floor
+        from moegen.tune.bench import measure_ceilings as measure
+
+        copy_gbps, read_gbps, _, tflops = measure()
+        torch.cuda.empty_cache()
+        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16")
+    # CPU smoke run: small problems, figures only to exercise the table.
+    src = torch.ones(64 << 20, dtype=torch.uint8)
+    t = timer.median_us(lambda: src.clone(), warmup=1, target_s=0.05)
+    n = 256
+    a = torch.randn(n, n)
+    t_mm = timer.median_us(lambda: a @ a, warmup=1, target_s=0.05)
+    return Ceilings(2 * src.numel() / (t * 1e3), src.numel() / (t * 1e3), 2 * n ** 3 / (t_mm * 1e6), "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 3: the three implementations
+# ---------------------------------------------------------------------------------------------
+
+
+def make_peers(torch, route):
+    import torch.nn.functional as F
+
+    def activation(name):
+        return F.silu if name == "silu" else F.gelu
+
+    def naive_moe(x, logits, w13, w2, p, bias, act):
+        """Route, then per expert: gather its tokens, two matmuls, weighted index_add.
+        One host synchronization (the per-expert counts) decides which experts run."""
+        weights, ids = route(logits, p, bias)
+        t, k = ids.shape
+        inter = w2.shape[-1]
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=p.num_experts).tolist()
+        token = order // k
+        slot_weight = weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token[start:start + n]
+            h = x[rows] @ w13[expert].T
+            y = (activation(act)(h[:, :inter]) * h[:, inter:]) @ w2[expert].T
+            out.index_add_(0, rows, y.float() * slot_weight[start:start + n])
+            start += n
+        return out.to(x.dtype)
+
+    def grouped_mm_moe(x, logits, w13, w2, p, bias, act):
+        """Route, sort slots by expert, torch._grouped_mm twice, weighted scatter-add back.
+        No host synchronization (counts by scatter_add, offsets as an int32 cumsum)."""
+        weights, ids = route(logits, p, bias)
+        t, k = ids.shape
+        inter = w2.shape[-1]
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(p.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = counts.cumsum(0).to(torch.int32)
+        token = order // k
+        h = torch._grouped_mm(x[token], w13.transpose(-2, -1), offs=offs)
+        a = activation(act)(h[:, :inter]) * h[:, inter:]
+        y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, token, y.float() * weights.reshape(-1)[order].unsqueeze(1))
+        return out.to(x.dtype)
+
+    return naive_moe, grouped_mm_moe
+
+
+@dataclass
+class Measured:
+    us: Optional[float] = None
+    err: Optional[float] = None
+    wrong: bool = False
+    graph: bool = False
+    note: str = ""  # why n/a, or "eager" when graph capture failed
+
+
+@dataclass
+class Row:
+    spec: str
+    tokens: int
+    floor_us: float
+    bound: str
+    touched: int
+    results: dict = field(default_factory=dict)
+
+
+@dataclass
+class Cold:
+    spec: str
+    build_s: float
+    import_ms: float
+    first_ms: float
+    second_us: float
+
+
+def resolve_spec(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path.resolve()
+    candidate = REPO_ROOT / "specs" / f"{name}.yaml"
+    if candidate.exists():
+        return candidate
+    raise FileNotFoundError(f"no spec {name!r} (looked for {candidate})")
+
+
+def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[str]]:
+    torch, device, timer, ceil, args = ctx["torch"], ctx["device"], ctx["timer"], ctx["ceil"], ctx["args"]
+    from moegen import load
+    from moegen import reference as ref
+    from moegen.package import build
+
+    problems: list[str] = []
+    start = time.perf_counter()
+    folder, _ = build(resolve_spec(spec_name), build_dir)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    pkg = load(folder)
+    import_ms = (time.perf_counter() - start) * 1e3
+
+    m, p, ks = pkg.SPEC.model, pkg.KERNELS.routing, pkg.KERNELS
+    dtype = ks.dtype
+    elt = torch.tensor([], dtype=dtype).element_size()
+    h, inter, e, k = m.hidden_size, m.intermediate_size, m.num_experts, m.top_k
+    tol = TOLERANCE[m.dtype]
+    seed = sum(map(ord, spec_name))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * inter, h, generator=gen, device=device, dtype=dtype).mul_(h ** -0.5)
+    w2 = torch.randn(e, h, inter, generator=gen, device=device, dtype=dtype).mul_(inter ** -0.5)
+    bias = ((torch.randn(e, generator=cpu_gen) * 0.02).to(torch.float32).to(device)
+            if m.correction_bias else None)
+
+    def inputs(t: int):
+        x = torch.randn(t, h, generator=gen, device=device, dtype=dtype)
+        logits = ref.separated_router_logits(t, p, bias, generator=cpu_gen, device=device)
+        return x, logits
+
+    # Cold start: the first call after import (T=1), Triton compilation included.
+    x, logits = inputs(1)
+    timer.sync()
+    start = time.perf_counter()
+    pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+    timer.sync()
+    first_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+    timer.sync()
+    second_us = (time.perf_counter() - start) * 1e6
+    cold = Cold(spec_name, build_s, import_ms, first_ms, second_us)
+
+    from moegen.runtime.routing import route
+    naive_moe, grouped_mm_moe = make_peers(torch, route)
+    rows = []
+    for t in args.token_list:
+        x, logits = inputs(t)
+        _, ids = route(logits, p, bias)
+        touched = int(torch.unique(ids).numel())
+        mem_s = (touched * 3 * h * inter * elt + 2 * t * h * elt) / (ceil.hbm_gbps * 1e9)
+        flop_s = 6 * t * k * h * inter / (ceil.gemm_tflops * 1e12)
+        row = Row(spec_name, t, max(mem_s, flop_s) * 1e6, "memory" if mem_s >= flop_s else "compute", touched)
+        expected = (ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
+                    if t <= REFERENCE_MAX_TOKENS else None)
+        calls = {
+            "moegen": lambda: pkg.fused_moe(x, logits, w13, w2, correction_bias=bias),
+            "naive": lambda: naive_moe(x, logits, w13, w2, p, bias, m.activation),
+            "grouped_mm": lambda: grouped_mm_moe(x, logits, w13, w2, p, bias, m.activation),
+        }
+        for name, fn in calls.items():
+            res = Measured()
+            row.results[name] = res
+            try:
+                out = fn()
+                timer.sync()
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+                res.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                if name == "moegen":
+                    problems.append(f"{spec_name} T={t}: moegen raised {res.note}")
+                    traceback.print_exc()
+                continue
+            finite = bool(torch.isfinite(out).all())
+            if expected is not None:
+                res.err = ref.relative_error(out, expected)
+            res.wrong = (not finite) or (res.err is not None and res.err > tol)
+            if res.wrong and name == "moegen":
+                problems.append(f"{spec_name} T={t}: moegen relative error {res.err} > {tol}")
+            del out
+            timed, graph = fn, None
+            if timer.cuda and t <= GRAPH_MAX_TOKENS and name != "naive":
+                try:
+                    graph, _ = capture_graph(torch, fn)
+                    timed, res.graph = graph.replay, True
+                except Exception as exc:  # noqa: BLE001
+                    res.note = "eager: graph capture failed"
+                    print(f"[{spec_name} T={t} {name}] graph capture failed: {exc}", file=sys.stderr)
+                    if name == "moegen":
+                        problems.append(f"{spec_name} T={t}: moegen graph capture failed: {exc}")
+                    torch.cuda.synchronize()
+            try:
+                res.us = timer.median_us(timed)
+            except Exception as exc:  # noqa: BLE001
+                res.note = f"timing failed: {type(exc).__name__}"
+                if name == "moegen":
+                    problems.append(f"{spec_name} T={t}: moegen timing failed: {exc}")
+            del graph, timed
+        rows.append(row)
+        del expected, x, logits, ids, calls
+        gc.collect()
+        if timer.cuda:
+            torch.cuda.empty_cache()
+        print(f"  {spec_name} T={t}: " + ", ".join(
+            f"{n} {r.us:.1f} us" if r.us is not None else f"{n} n/a" for n, r in row.results.items()),
+            file=sys.stderr, flush=True)
+    del w13, w2, bias
+    gc.collect()
+    if timer.cuda:
+        torch.cuda.empty_cache()
+    return cold, rows, problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def fmt_us(us: float) -> str:
+    return f"{us:.1f}" if us < 1000 else f"{us:.0f}"
+
+
+def fmt_err(err: Optional[float]) -> str:
+    return "-" if err is None else ("inf" if math.isinf(err) else f"{err:.1e}")
+
+
+def cells(res: Optional[Measured], floor_us: float) -> tuple[str, str]:
+    if res is None or res.us is None:
+        return "n/a", ""
+    time_cell = fmt_us(res.us)
+    if res.note.startswith("eager"):
+        time_cell += " (eager)"
+    if res.wrong:
+        time_cell += " **WRONG**"
+    return time_cell, f"{100 * floor_us / res.us:.0f}%"
+
+
+def results_table(rows: list[Row]) -> list[str]:
+    out = ["| spec | T | moegen us | %floor | naive us | %floor | grouped_mm us | %floor | floor us | bound | err |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for row in rows:
+        parts = [row.spec, str(row.tokens)]
+        for name in IMPLS:
+            parts.extend(cells(row.results.get(name), row.floor_us))
+        errs = " / ".join(fmt_err(row.results[n].err) if n in row.results else "-" for n in IMPLS)
+        parts += [fmt_us(row.floor_us), row.bound, errs]
+        out.append("| " + " | ".join(parts) + " |")
+    return out
+
+
+def cold_table(colds: list[Cold]) -> list[str]:
+    out = ["| spec | build s | import ms | first fused_moe T=1 ms (incl. compile) | second call us |",
+           "|---|---:|---:|---:|---:|"]
+    for c in colds:
+        out.append(f"| {c.spec} | {c.build_s:.2f} | {c.import_ms:.0f} | {c.first_ms:.0f} | {c.second_us:.0f} |")
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    test_env = dict(os.environ)
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
+    elif not args.warm_triton_cache:
+        # A fresh Triton cache, so the cold-start column includes compilation.
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="moegen-triton-cold-")
+
+    import torch
+    import triton
+
+    wall_start = time.perf_counter()
+    say = Report()
+    if args.cpu_smoke:
+        device = torch.device("cpu")
+        device_name = f"CPU ({platform.processor() or platform.machine()}), Triton interpreter"
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device (use --cpu-smoke to exercise the pipeline on the CPU)",
+                  file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        device_name = torch.cuda.get_device_name(device)
+    say("# moegen GPU check")
+    say()
+    say(f"- device: {device_name}")
+    say(f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}")
+    say(f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    say(f"- specs: {', '.join(args.spec_list)}; tokens: {', '.join(map(str, args.token_list))}"
+        f"{'; quick' if args.quick else ''}{'; CPU smoke run' if args.cpu_smoke else ''}")
+    say()
+
+    failed = False
+    if args.skip_tests:
+        say("tests: skipped (--skip-tests)")
+    else:
+        failed |= not run_tests(test_env, say)
+    say()
+
+    timer = Timer(torch, device, args.quick)
+    ceil = measure_ceilings(torch, device, timer, args.cpu_smoke)
+    say("## Ceilings (measured)")
+    say()
+    say(f"- memory bandwidth: {ceil.hbm_gbps:.0f} GB/s (device-to-device copy {ceil.copy_gbps:.0f} GB/s "
+        f"counting read + write; streaming-read kernel {ceil.read_gbps:.0f} GB/s)")
+    say(f"- {ceil.gemm_dtype} GEMM: {ceil.gemm_tflops:.1f} TFLOP/s "
+        f"({512 if args.cpu_smoke else 8192}^3 torch.matmul, random data)")
+    say()
+
+    ctx = dict(torch=torch, device=device, timer=timer, ceil=ceil, args=args)
+    rows: list[Row] = []
+    colds: list[Cold] = []
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="moegen-gpu-check-") as build_dir:
+        for spec_name in args.spec_list:
+            try:
+                cold, spec_rows, spec_problems = bench_spec(ctx, spec_name, Path(build_dir))
+            except Exception as exc:  # noqa: BLE001 - keep going with the other specs
+                traceback.print_exc()
+                problems.append(f"{spec_name}: {type(exc).__name__}: {exc}")
+                gc.collect()
+                if timer.cuda:
+                    torch.cuda.empty_cache()
+                continue
+            colds.append(cold)
+            rows.extend(spec_rows)
+            problems.extend(spec_problems)
+
+    say("## fused MoE: moegen vs peers")
+    say()
+    for line in results_table(rows):
+        say(line)
+    say()
+    say("- us: median wall time of one call, routing included"
+        + ("" if args.cpu_smoke else f"; T <= {GRAPH_MAX_TOKENS}: moegen and grouped_mm as CUDA-graph replays, "
+           "naive eagerly (it synchronizes with the host); L2 evicted before each call"))
+    say("- %floor: floor / time (100% = at the roofline floor); floor = max((distinct experts touched "
+        "x 3*H*I + 2*T*H) bytes / bandwidth, 6*T*k*H*I FLOPs / GEMM rate), with the measured ceilings")
+    say(f"- err: relative Frobenius error vs the float64 reference, moegen / naive / grouped_mm; "
+        f"checked for T <= {REFERENCE_MAX_TOKENS} only ('-' above: the reference is too slow there); "
+        "**WRONG**: above the dtype's tolerance or not finite")
+    notes = sorted({f"{r.spec} T={r.tokens} {n}: {res.note}" for r in rows for n, res in r.results.items()
+                    if res.note and not res.note.startswith("eager")})
+    for note in notes:
+        say(f"- n/a {note}")
+    say()
+    say("## Cold start (first call after import)")
+    say()
+    for line in cold_table(colds):
+        say(line)
+    say()
+    if not args.cpu_smoke and not args.warm_triton_cache:
+        say("- from an empty Triton cache: the first call compiles the T=1 kernels")
+    if problems:
+        failed = True
+        say("## Problems")
+        say()
+        for problem in problems:
+            say(f"- {problem}")
+        say()
+    say(f"total {time.perf_counter() - wall_start:.0f} s; {'FAILED' if failed else 'OK'}")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        say.write(Path(out_dir) / "gpu_check.md")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
