@@ -41,6 +41,13 @@ def require_tuned() -> bool:
     return _flag("MOEGEN_REQUIRE_TUNED")
 
 
+def precompile() -> Optional[bool]:
+    """MOEGEN_PRECOMPILE: 1 forces, 0 skips compiling kernels into the package at build time;
+    unset: compile when the build runs on the spec's target GPU."""
+    value = os.environ.get("MOEGEN_PRECOMPILE", "").strip()
+    return None if not value else _flag("MOEGEN_PRECOMPILE")
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter."""
     return _flag("TRITON_INTERPRET")

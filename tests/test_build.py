@@ -62,14 +62,14 @@ def test_failed_build_leaves_previous_output_untouched(tmp_path, monkeypatch):
     changed.write_text(TINY.read_text().replace("top_k: 2", "top_k: 3"))
     from moegen.package import writer
 
-    real_write_text = Path.write_text
+    real_write_bytes = Path.write_bytes
 
-    def failing_write_text(self, text, *args, **kwargs):
+    def failing_write_bytes(self, data, *args, **kwargs):
         if self.name == "REPORT.md":
             raise OSError("disk full")
-        return real_write_text(self, text, *args, **kwargs)
+        return real_write_bytes(self, data, *args, **kwargs)
 
-    monkeypatch.setattr(writer.Path, "write_text", failing_write_text)
+    monkeypatch.setattr(writer.Path, "write_bytes", failing_write_bytes)
     assert cli.main(["build", str(changed), "-o", str(tmp_path)]) == 1
     monkeypatch.undo()
     assert _tree(tmp_path / "tiny") == before
@@ -129,3 +129,28 @@ def test_cli_exit_codes_and_no_traceback(argv, code, needle):
     assert result.returncode == code
     assert needle in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_precompiled_kernels_install_into_tritons_cache(tmp_path):
+    """A package's triton_cache/ entries land in Triton's cache with their group file's paths
+    made absolute there; existing entries are left alone."""
+    import triton
+
+    from moegen.package.precompile import CACHE_FOLDER, install
+
+    entry = tmp_path / "pkg" / CACHE_FOLDER / "abc123"
+    entry.mkdir(parents=True)
+    (entry / "kernel.cubin").write_bytes(b"\x7fELF-binary")
+    (entry / "kernel.json").write_text("{}")
+    (entry / "__grp__kernel.json").write_text(json.dumps(
+        {"child_paths": {"kernel.cubin": "kernel.cubin", "kernel.json": "kernel.json"}}))
+    cache = tmp_path / "cache"
+    with triton.knobs.cache.scope():
+        triton.knobs.cache.dir = str(cache)
+        assert install(tmp_path / "pkg") == 1
+        assert install(tmp_path / "pkg") == 0  # already there
+    group = json.loads((cache / "abc123" / "__grp__kernel.json").read_text())
+    assert group["child_paths"] == {"kernel.cubin": str(cache / "abc123" / "kernel.cubin"),
+                                    "kernel.json": str(cache / "abc123" / "kernel.json")}
+    assert (cache / "abc123" / "kernel.cubin").read_bytes() == b"\x7fELF-binary"
+    assert install(tmp_path / "no-package") == 0

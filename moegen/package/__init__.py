@@ -1,19 +1,38 @@
 """Package: the build pipeline's last stages (render sources, write the package atomically)."""
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
+from moegen import knobs
+
 from moegen.ir import lower
+from moegen.package.precompile import precompiled_files
 from moegen.package.sources import render_sources, tool_versions
 from moegen.package.writer import write_package
 from moegen.plan import plan
 from moegen.spec import load_spec
+from moegen.target import current_gpu
+
+
+def _should_precompile(target_name: str) -> bool:
+    forced = knobs.precompile()
+    if forced is not None:
+        return forced
+    here = current_gpu()
+    return here is not None and here.name == target_name and not knobs.triton_interpret()
 
 
 def build(spec_path, out_dir="generated") -> tuple[Path, bool]:
-    """spec -> IR -> plan -> render -> package. Returns (package folder, whether it changed)."""
+    """spec -> IR -> plan -> render -> package. Returns (package folder, whether it changed).
+    On the target GPU the kernels are also compiled into the package (no compile at first call)."""
     spec = load_spec(spec_path)
-    build_plan = plan(lower(spec, spec_path), spec_path=str(spec_path))
-    files = render_sources(build_plan, tool_versions())
+    ir = lower(spec, spec_path)
+    build_plan = plan(ir, spec_path=str(spec_path))
+    files: dict = render_sources(build_plan, tool_versions())
     folder = Path(out_dir) / spec.package_name
+    if _should_precompile(ir.target.name):
+        with tempfile.TemporaryDirectory(prefix="moegen-build-") as staging:
+            write_package(Path(staging) / spec.package_name, files)
+            files.update(precompiled_files(Path(staging) / spec.package_name))
     return folder, write_package(folder, files)

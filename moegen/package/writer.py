@@ -9,17 +9,21 @@ import tempfile
 from pathlib import Path
 
 
-def _same_content(folder: Path, files: dict[str, str]) -> bool:
+def _as_bytes(content: str | bytes) -> bytes:
+    return content if isinstance(content, bytes) else content.encode()
+
+
+def _same_content(folder: Path, files: dict[str, str | bytes]) -> bool:
     if not folder.is_dir():
         return False
     present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     if present != set(files):
         return False
-    return all((folder / name).read_text() == text for name, text in files.items())
+    return all((folder / name).read_bytes() == _as_bytes(content) for name, content in files.items())
 
 
-def write_package(folder: Path, files: dict[str, str]) -> bool:
+def write_package(folder: Path, files: dict[str, str | bytes]) -> bool:
     """Returns True if anything was written."""
     folder = Path(folder)
     if _same_content(folder, files):
@@ -28,10 +32,10 @@ def write_package(folder: Path, files: dict[str, str]) -> bool:
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
     retired = None
     try:
-        for name, text in files.items():
+        for name, content in files.items():
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            path.write_bytes(_as_bytes(content))
         os.chmod(staging, 0o755)
         if folder.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))

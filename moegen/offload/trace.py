@@ -1,0 +1,156 @@
+"""Read a moegen-trace v1 file: recorded expert choices of a real MoE model.
+
+The format (../shared/traces/README.md): gzip'd JSON Lines; line 1 is a header
+
+    {"format": "moegen-trace", "version": 1, "model": ..., "num_layers": L, "num_experts": E,
+     "top_k": k, "source": ..., "note": ...}
+
+and every following line one token, in order: {"seq": s, "experts": [[k ids] x L], "weights": ...}.
+Weights are optional and not kept: cache policies only need the ids.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moegen.errors import MoegenError
+
+TRACE_FORMAT = "moegen-trace"
+TRACE_VERSION = 1
+_HEADER_INTS = ("num_layers", "num_experts", "top_k")
+
+
+class TraceError(MoegenError):
+    """A trace file moegen cannot read: FILE:LINE: what is wrong; how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, file, line: int, problem: str, fix: str):
+        self.file, self.line, self.problem, self.fix = str(file), line, problem, fix
+        where = f"{self.file}:{line}" if line else self.file
+        super().__init__(f"{where}: {problem}; {fix}")
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: numpy arrays have no single truth value
+class Trace:
+    path: str
+    model: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    source: str
+    note: str
+    experts: np.ndarray  # [tokens, num_layers, top_k] int16, read-only; order as recorded
+    seq: np.ndarray  # [tokens] int32, read-only: the sequence each token belongs to
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def accesses(self) -> int:
+        """Expert accesses in the whole trace: tokens x layers x top_k."""
+        return int(self.experts.size)
+
+
+def load_trace(path) -> Trace:
+    """Read and check a trace; raises TraceError (exit code 2) naming the file, line and fix."""
+    path = Path(path)
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        raise TraceError(path, 0, "no such file", "pass the path of a moegen-trace .jsonl.gz file") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        raise TraceError(path, 0, f"not a complete gzip file ({error})",
+                         "a trace is gzip'd JSON Lines: compress it with `gzip FILE.jsonl`") from None
+    except UnicodeDecodeError as error:
+        raise TraceError(path, 0, f"not UTF-8 text ({error.reason})", "write the trace as UTF-8 JSON Lines") from None
+    if not lines:
+        raise TraceError(path, 1, "empty file", "line 1 must be the moegen-trace header")
+
+    header = _parse(path, 1, lines[0])
+    _check_header(path, header)
+    layers, num_experts, top_k = (header[key] for key in _HEADER_INTS)
+    experts, seq = [], []
+    for number, text in enumerate(lines[1:], start=2):
+        if not text.strip():
+            continue  # a trailing blank line is harmless
+        token = _parse(path, number, text)
+        experts.append(_check_token(path, number, token, layers, top_k))
+        seq.append(token["seq"])
+    if not experts:
+        raise TraceError(path, 2, "no tokens after the header", "record at least one token line")
+
+    ids = np.asarray(experts, dtype=np.int64)
+    bad = (ids < 0) | (ids >= num_experts)
+    if bad.any():
+        token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
+        raise TraceError(path, token + 2, f"layer {layer}: expert id {int(ids[token, layer, slot])} out of range",
+                         f"ids must lie in 0..{num_experts - 1} (num_experts {num_experts} in the header)")
+    ordered = np.sort(ids, axis=2)
+    repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
+    if repeated.any():
+        token, layer = (int(i) for i in np.argwhere(repeated)[0])
+        raise TraceError(path, token + 2, f"layer {layer}: expert ids {ids[token, layer].tolist()} repeat an id",
+                         f"each layer lists top_k={top_k} distinct experts")
+    expert_array = ids.astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
+    seq_array = np.asarray(seq, dtype=np.int32)
+    expert_array.setflags(write=False)
+    seq_array.setflags(write=False)
+    return Trace(path=str(path), model=str(header.get("model", "")), num_layers=layers,
+                 num_experts=num_experts, top_k=top_k, source=str(header.get("source", "")),
+                 note=str(header.get("note", "")), experts=expert_array, seq=seq_array)
+
+
+def _parse(path: Path, number: int, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TraceError(path, number, f"bad JSON at column {error.colno}: {error.msg}",
+                         "each line must be one complete JSON object") from None
+    if not isinstance(value, dict):
+        raise TraceError(path, number, f"expected a JSON object, got {type(value).__name__}",
+                         "each line must be one JSON object")
+    return value
+
+
+def _check_header(path: Path, header: dict) -> None:
+    if header.get("format") != TRACE_FORMAT:
+        raise TraceError(path, 1, f"header format is {header.get('format')!r}, not {TRACE_FORMAT!r}",
+                         f'line 1 must be the header {{"format": "{TRACE_FORMAT}", "version": {TRACE_VERSION}, ...}}')
+    if header.get("version") != TRACE_VERSION:
+        raise TraceError(path, 1, f"trace version {header.get('version')!r} is not supported",
+                         f"this moegen reads version {TRACE_VERSION}; convert the file or upgrade moegen")
+    for key in _HEADER_INTS:
+        value = header.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TraceError(path, 1, f"header {key} is {value!r}", f"set {key} to a positive integer")
+    if header["top_k"] > header["num_experts"]:
+        raise TraceError(path, 1, f"header top_k {header['top_k']} exceeds num_experts {header['num_experts']}",
+                         "top_k is the number of experts each token picks per layer")
+
+
+def _check_token(path: Path, number: int, token: dict, layers: int, top_k: int) -> list:
+    seq = token.get("seq")
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise TraceError(path, number, f"seq is {seq!r}", "give each token an integer seq (its sequence id)")
+    experts = token.get("experts")
+    if not isinstance(experts, list) or len(experts) != layers:
+        got = len(experts) if isinstance(experts, list) else repr(experts)
+        raise TraceError(path, number, f"experts has {got} layers, the header says num_layers {layers}",
+                         "list one row of expert ids per MoE layer")
+    for layer, row in enumerate(experts):
+        if not isinstance(row, list) or len(row) != top_k:
+            got = len(row) if isinstance(row, list) else repr(row)
+            raise TraceError(path, number, f"layer {layer} has {got} expert ids, the header says top_k {top_k}",
+                             "list exactly top_k expert ids per layer")
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in row):
+            raise TraceError(path, number, f"layer {layer}: expert ids {row} are not all integers",
+                             "expert ids are integers in 0..num_experts-1")
+    return experts

@@ -1,0 +1,117 @@
+"""Cold start: compile every bucket's kernels at build time for the GPU the build runs on and
+ship the compiled binaries inside the package, so that the first call after import loads them
+instead of compiling (seconds per kernel otherwise).
+
+Triton looks kernels up in its file cache by a hash of source, options, target and version; the
+package carries those cache entries (triton_cache/<hash>/...) and, at import, copies the missing
+ones into the active Triton cache. Group files hold absolute paths: they are written relative
+here and made absolute again where they are installed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+CACHE_FOLDER = "triton_cache"
+_GROUP_PREFIX = "__grp__"
+
+
+def _mock_launch_args(ks, cfg, logits_dtype):
+    """Arguments with the same types and specializations as the runtime's launches: dtypes
+    stand in for tensors (Triton's warmup mocks them), strides and sizes as the runtime passes."""
+    import torch
+
+    h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
+    n = 1 << 20  # stands in for the token-dependent sizes, which are never specialized
+    route = (logits_dtype, torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32,
+             n, e, n)
+    gate_up = (ks.dtype, ks.dtype, ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n,
+               h, 2 * i * h, h, i)
+    down = (ks.dtype, ks.dtype, ks.dtype, torch.float32, torch.int32, torch.int32, torch.int32, n, n,
+            i, h * i, i, h)
+    return route, gate_up, down
+
+
+def compile_buckets(ks) -> None:
+    """Compile (without launching) every kernel each bucket's config will launch."""
+    import torch
+
+    from moegen.runtime.fused import ROUTE_ALIGN_MAX_TOKENS
+
+    previous = 0
+    for bucket, cfg in zip(ks.buckets, ks.configs):
+        # Router logits come in the model's dtype (MoELayer) or float32: compile both.
+        for logits_dtype in sorted({ks.dtype, torch.float32}, key=str):
+            route, gate_up, down = _mock_launch_args(ks, cfg, logits_dtype)
+            if previous + 1 <= ROUTE_ALIGN_MAX_TOKENS:  # this bucket serves batches routed in-kernel
+                ks.route_align.warmup(*route, BLOCK_M=cfg.block_m, BLOCK_T=16, BLOCK_S=64, num_warps=4,
+                                      grid=(1,))
+        ks.gate_up.warmup(*gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
+        ks.down_reduce.warmup(*down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+                              GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, num_warps=cfg.down_num_warps,
+                              num_stages=cfg.down_num_stages, grid=(1, 1))
+        previous = bucket
+
+
+def precompiled_files(package_folder: Path) -> dict[str, bytes]:
+    """Import the package at package_folder, compile its kernels into an empty Triton cache and
+    return that cache as package files {triton_cache/<hash>/<name>: bytes}."""
+    import triton
+
+    from moegen.package.loader import load_package
+
+    with tempfile.TemporaryDirectory(prefix="moegen-precompile-") as cache, triton.knobs.cache.scope():
+        triton.knobs.cache.dir = cache
+        compile_buckets(load_package(package_folder).KERNELS)
+        files = {}
+        for path in sorted(Path(cache).rglob("*")):
+            if not path.is_file() or path.name.startswith("tmp."):
+                continue
+            data = path.read_bytes()
+            if path.name.startswith(_GROUP_PREFIX):  # absolute child paths -> bare file names
+                group = json.loads(data)
+                group["child_paths"] = {k: Path(v).name for k, v in sorted(group["child_paths"].items())}
+                data = json.dumps(group, sort_keys=True).encode()
+            files[f"{CACHE_FOLDER}/{path.relative_to(cache).as_posix()}"] = data
+        return files
+
+
+def install(package_folder: Path) -> int:
+    """Copy the package's precompiled kernels into Triton's active cache; returns entries added.
+    Never fatal: on any problem the kernels simply compile on first use."""
+    source = Path(package_folder) / CACHE_FOLDER
+    if not source.is_dir():
+        return 0
+    try:
+        import triton
+
+        cache = Path(triton.knobs.cache.dir)
+        added = 0
+        for entry in sorted(p for p in source.iterdir() if p.is_dir()):
+            destination = cache / entry.name
+            if destination.exists():
+                continue
+            cache.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f"tmp.moegen_{entry.name[:8]}_", dir=cache))
+            for item in entry.iterdir():
+                if item.name.startswith(_GROUP_PREFIX):
+                    group = json.loads(item.read_text())
+                    group["child_paths"] = {k: str(destination / v) for k, v in group["child_paths"].items()}
+                    (staging / item.name).write_text(json.dumps(group))
+                else:
+                    shutil.copyfile(item, staging / item.name)
+            try:
+                os.rename(staging, destination)  # atomic; a concurrent installer may have won
+                added += 1
+            except OSError:
+                shutil.rmtree(staging, ignore_errors=True)
+        return added
+    except Exception as error:  # noqa: BLE001 - a cache problem must not break the import
+        warnings.warn(f"moegen: precompiled kernels in {source} not installed ({error}); "
+                      "they will compile on first use", stacklevel=2)
+        return 0

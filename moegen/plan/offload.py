@@ -1,0 +1,123 @@
+"""The offload plan: given the expert-memory budget, how many expert slots each MoE layer gets,
+which experts stay pinned, how far ahead to prefetch, and what that should cost per token.
+
+Everything the offload runtime needs to start comes from here. Costs are sympy expressions of
+the spec (per-expert bytes, per-layer decode compute time on the target) so REPORT.md shows them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import sympy
+
+from moegen.errors import SpecError
+from moegen.ir import ModelIR
+from moegen.plan.cost_model import B, E, H, I, K, matrix_tflops
+from moegen.target import expert_memory_gib
+
+HBM, LINK, RATE = sympy.symbols("HBM_GBps LINK_GBps RATE_TFLOPs", positive=True)
+EXPERT_BYTES = 3 * H * I * B
+# One decode token through one MoE layer: k experts streamed from HBM (or k GEMV FLOPs).
+LAYER_COMPUTE_US = sympy.Max(K * EXPERT_BYTES / (HBM * 1e3), 6 * K * H * I / (RATE * 1e6))
+TRANSFER_US = EXPERT_BYTES / (LINK * 1e3)
+OFFLOAD_FORMULAS = {"expert bytes": EXPERT_BYTES, "layer compute (us)": LAYER_COMPUTE_US,
+                    "expert transfer (us)": TRANSFER_US}
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    offloaded: bool  # False: every expert fits the budget and stays resident
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    budget_bytes: int
+    slots_per_layer: tuple[int, ...]
+    pinned: tuple[tuple[int, ...], ...]  # per layer, never evicted
+    policy: str
+    prefetch: str
+    lookahead: int  # layers ahead that prefetches are issued
+    layer_compute_us: float
+    transfer_us: float  # one expert over the host link
+    expected_hit_rate: float
+    bytes_per_token: float
+    stall_ms_per_token: float
+    estimate_from: str  # "all resident", "uniform routing", "profile", "trace <name>"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _sizes(ir: ModelIR) -> dict:
+    m, sig, t = ir.spec.model, ir.signature, ir.target
+    return {H: m.hidden_size, I: m.intermediate_size, E: m.num_experts, K: m.top_k, B: sig.element_bytes,
+            HBM: t.hbm_gbps, LINK: t.host_link_gbps, RATE: matrix_tflops(sig, t)}
+
+
+def _allocate(total: int, layers: int, top_k: int, experts: int,
+              popularity: Optional[Sequence[Sequence[float]]]) -> list[int]:
+    """Slots per layer. Every layer gets top_k (one step's experts must fit); the rest go, slot by
+    slot, where the profile says the next slot catches the most accesses (uniform without one)."""
+    slots = [top_k] * layers
+    spare = total - top_k * layers
+    if popularity is None:
+        for layer in range(layers):
+            extra = min(experts - top_k, spare // layers + (1 if layer < spare % layers else 0))
+            slots[layer] += extra
+        return slots
+    shares = [sorted((p / max(sum(row), 1e-12) for p in row), reverse=True) for row in popularity]
+    for _ in range(max(spare, 0)):
+        gains = [shares[l][slots[l]] if slots[l] < experts else -1.0 for l in range(layers)]
+        best = max(range(layers), key=lambda l: (gains[l], -l))
+        if gains[best] < 0:
+            break
+        slots[best] += 1
+    return slots
+
+
+def plan_offload(ir: ModelIR, popularity: Optional[Sequence[Sequence[float]]] = None,
+                 simulated_hit_rate: Optional[float] = None, estimate_from: Optional[str] = None) -> OffloadPlan:
+    """popularity: per layer, per expert activation counts (a profile or a trace's counts).
+    simulated_hit_rate: the trace simulator's result for this plan, when a trace was given."""
+    m, spec = ir.spec.model, ir.spec
+    sizes = _sizes(ir)
+    expert_bytes = int(EXPERT_BYTES.subs(sizes))
+    compute_us = float(LAYER_COMPUTE_US.subs(sizes))
+    transfer_us = float(TRANSFER_US.subs(sizes))
+    budget = int(expert_memory_gib(spec) * 2**30)
+    layers, experts, k = m.num_layers, m.num_experts, m.top_k
+    total_slots = budget // expert_bytes
+    if total_slots >= layers * experts:
+        return OffloadPlan(False, layers, experts, k, expert_bytes, budget, (experts,) * layers,
+                           ((),) * layers, spec.offload.policy, spec.offload.prefetch, 0, compute_us,
+                           transfer_us, 1.0, 0.0, 0.0, "all resident")
+    if total_slots < layers * k:
+        need = layers * k * expert_bytes / 2**30
+        raise SpecError(spec.name, "target.expert_memory_gib",
+                        f"{expert_memory_gib(spec):g} GiB holds {total_slots} experts of "
+                        f"{expert_bytes / 2**20:.1f} MiB, but {layers} layers x top-{k} need {layers * k}",
+                        f"raise target.expert_memory_gib to at least {math.ceil(need)}")
+    if popularity is not None and (len(popularity) != layers or any(len(row) != experts for row in popularity)):
+        raise ValueError(f"popularity must be {layers} layers x {experts} experts")
+    slots = _allocate(total_slots, layers, k, experts, popularity)
+    pinned = ((),) * layers
+    if spec.offload.policy == "pinned_lru" and popularity is not None:
+        # Pin the most popular experts, keeping top_k dynamic slots for everything else.
+        pinned = tuple(tuple(sorted(sorted(range(experts), key=lambda e: (-row[e], e))[:max(0, s - k)]))
+                       for row, s in zip(popularity, slots))
+    lookahead = 0 if spec.offload.prefetch == "none" else min(layers - 1, max(1, math.ceil(transfer_us / compute_us)))
+    if simulated_hit_rate is not None:
+        hit_rate, source = simulated_hit_rate, estimate_from or "trace"
+    elif popularity is not None:
+        # Lower bound: accesses that land on the slots' worth of most popular experts.
+        hit_rate = sum(sum(sorted(row, reverse=True)[:s]) / max(sum(row), 1e-12)
+                       for row, s in zip(popularity, slots)) / layers
+        source = estimate_from or "profile"
+    else:
+        hit_rate, source = sum(s / experts for s in slots) / layers, "uniform routing"
+    misses_per_token = layers * k * (1.0 - hit_rate)
+    return OffloadPlan(True, layers, experts, k, expert_bytes, budget, tuple(slots), pinned,
+                       spec.offload.policy, spec.offload.prefetch, lookahead, compute_us, transfer_us,
+                       hit_rate, misses_per_token * expert_bytes, misses_per_token * transfer_us / 1e3, source)
