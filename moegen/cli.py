@@ -40,6 +40,25 @@ def _cmd_tune(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    import json
+
+    from moegen.ir import lower
+    from moegen.package.sources import offload_summary
+    from moegen.plan.offload import plan_for_trace, plan_offload
+    from moegen.spec import load_spec
+
+    ir = lower(load_spec(args.spec), args.spec)
+    offload = plan_for_trace(ir, args.trace) if args.trace else plan_offload(ir)
+    if args.json:
+        print(json.dumps(offload.to_json(), indent=2, sort_keys=True))
+    else:
+        print(f"# offload plan: {ir.spec.name}")
+        for name, value in offload_summary(offload):
+            print(f"{name:34s} {value}")
+    return 0
+
+
 def _cmd_build(args) -> int:
     from moegen.package import build
 
@@ -84,6 +103,12 @@ def parser() -> argparse.ArgumentParser:
                    help="where results go (default: MOEGEN_TUNED_CONFIG_DIR, else the shipped tuned/)")
     t.add_argument("--force", action="store_true", help="re-tune buckets the database already has")
     t.set_defaults(run=_cmd_tune)
+
+    pl = sub.add_parser("plan", help="print the expert-offload plan (slots, pinned experts, prefetch, expected cost)")
+    pl.add_argument("spec")
+    pl.add_argument("--trace", type=Path, help="a moegen-trace v1 file: profile, pinning and simulated hit rate")
+    pl.add_argument("--json", action="store_true", help="print plan.json's content")
+    pl.set_defaults(run=_cmd_plan)
 
     add_cache_parser(sub)
     return p

@@ -17,14 +17,6 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def cache_dir() -> Path:
-    """MOEGEN_CACHE_DIR, else $XDG_CACHE_HOME/moegen, else ~/.cache/moegen."""
-    if os.environ.get("MOEGEN_CACHE_DIR"):
-        return Path(os.environ["MOEGEN_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "moegen"
-
-
 def template_dir() -> Path:
     """MOEGEN_TEMPLATE_DIR, else the repository's templates/ folder."""
     return Path(os.environ.get("MOEGEN_TEMPLATE_DIR") or _REPO_ROOT / "templates")
@@ -55,7 +47,7 @@ def triton_interpret() -> bool:
 
 @contextlib.contextmanager
 def scope(**values: Optional[str]) -> Iterator[None]:
-    """Temporarily set (or, with None, unset) environment variables, e.g. scope(MOEGEN_CACHE_DIR=d)."""
+    """Temporarily set (or, with None, unset) environment variables, e.g. scope(MOEGEN_REQUIRE_TUNED="1")."""
     saved = {name: os.environ.get(name) for name in values}
     try:
         for name, value in values.items():

@@ -8,6 +8,7 @@ from typing import Optional
 from moegen.ir import ModelIR
 from moegen.plan.configs import default_config
 from moegen.plan.cost_model import BucketCost, bucket_cost
+from moegen.plan.offload import OffloadPlan, plan_offload
 from moegen.render import KERNEL_TEMPLATES
 from moegen.runtime.fused import KernelConfig
 
@@ -26,6 +27,7 @@ class BucketPlan:
 class BuildPlan:
     ir: ModelIR
     buckets: tuple[BucketPlan, ...]
+    offload: OffloadPlan
 
 
 def plan(ir: ModelIR, db=None, spec_path: Optional[str] = None) -> BuildPlan:
@@ -41,4 +43,4 @@ def plan(ir: ModelIR, db=None, spec_path: Optional[str] = None) -> BuildPlan:
         config, source = ((entry.config, f"tuned:{entry.path.name}") if entry is not None
                           else (default_config(sig, target, tokens), COST_MODEL))
         buckets.append(BucketPlan(tokens, bucket_cost(sig, target, tokens), config, source))
-    return BuildPlan(ir, tuple(buckets))
+    return BuildPlan(ir, tuple(buckets), plan_offload(ir))

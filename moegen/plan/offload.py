@@ -7,6 +7,7 @@ the spec (per-expert bytes, per-layer decode compute time on the target) so REPO
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
@@ -121,3 +122,45 @@ def plan_offload(ir: ModelIR, popularity: Optional[Sequence[Sequence[float]]] = 
     return OffloadPlan(True, layers, experts, k, expert_bytes, budget, tuple(slots), pinned,
                        spec.offload.policy, spec.offload.prefetch, lookahead, compute_us, transfer_us,
                        hit_rate, misses_per_token * expert_bytes, misses_per_token * transfer_us / 1e3, source)
+
+
+def with_trace_layers(ir: ModelIR, trace) -> ModelIR:
+    """The IR for replaying `trace`: experts and top-k must agree with the spec; the layer count
+    is the trace's (a trace may cover a model variant with another depth)."""
+    from dataclasses import replace
+
+    from moegen.offload.trace import TraceError
+
+    m = ir.spec.model
+    if (trace.num_experts, trace.top_k) != (m.num_experts, m.top_k):
+        raise TraceError(trace.path, 1, f"the trace routes top-{trace.top_k} of {trace.num_experts} experts but "
+                         f"{ir.spec_file} has top-{m.top_k} of {m.num_experts}",
+                         "use a spec of the model the trace was recorded from")
+    if trace.num_layers == m.num_layers:
+        return ir
+    spec = replace(ir.spec, model=replace(m, num_layers=trace.num_layers))
+    return replace(ir, spec=spec)
+
+
+def trace_popularity(trace) -> list[list[int]]:
+    """Per layer, how often the trace routed to each expert."""
+    import numpy as np
+
+    return [np.bincount(trace.experts[:, layer, :].ravel(), minlength=trace.num_experts).tolist()
+            for layer in range(trace.num_layers)]
+
+
+def plan_for_trace(ir: ModelIR, trace_path) -> OffloadPlan:
+    """The plan with the trace as activation profile (slot allocation, pinning) and its hit rate
+    from replaying the trace through the policy the spec names."""
+    from moegen.offload.simulate import simulated_hit_rate
+    from moegen.offload.trace import load_trace
+
+    trace = load_trace(trace_path)
+    ir = with_trace_layers(ir, trace)
+    popularity = trace_popularity(trace)
+    first = plan_offload(ir, popularity)
+    if not first.offloaded:
+        return first
+    hit_rate = simulated_hit_rate(ir, trace, first)
+    return plan_offload(ir, popularity, hit_rate, f"trace {Path(str(trace_path)).name}")

@@ -74,12 +74,14 @@ def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype: Optional[torch.
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
 
 
-def _check_inputs(ks: KernelSet, hidden_states, w13, w2) -> None:
-    h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
+def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[int] = None,
+                  names: tuple[str, str] = ("w13", "w2")) -> None:
+    h, i = ks.hidden_size, ks.intermediate_size
+    e = ks.num_experts if num_experts is None else num_experts
     device = hidden_states.device
     _check("hidden_states", hidden_states, (hidden_states.shape[0], h), ks.dtype, device)
-    _check("w13", w13, (e, 2 * i, h), ks.dtype, device)
-    _check("w2", w2, (e, h, i), ks.dtype, device)
+    _check(names[0], w13, (e, 2 * i, h), ks.dtype, device)
+    _check(names[1], w2, (e, h, i), ks.dtype, device)
     if device.type != "cuda" and not knobs.triton_interpret():
         raise RuntimeError(f"moegen kernels need CUDA tensors (got {device}); on the CPU set "
                            "TRITON_INTERPRET=1 before importing the generated package (slow: tiny shapes)")
@@ -119,13 +121,26 @@ def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
                   config: Optional[KernelConfig] = None) -> torch.Tensor:
     """The experts for a routing chosen by the caller: [T,H]."""
     _check_inputs(ks, hidden_states, w13, w2)
+    return _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, ks.num_experts, config)
+
+
+def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool,
+                           config: Optional[KernelConfig] = None) -> torch.Tensor:
+    """The experts with weights from a slot pool ([S,2I,H], [S,H,I]) and top-k given as slot
+    indices: what the offload runtime runs, without gathering weights into a per-step tensor."""
+    slots = w13_pool.shape[0]
+    _check_inputs(ks, hidden_states, w13_pool, w2_pool, slots, names=("w13_pool", "w2_pool"))
+    return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config)
+
+
+def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config):
     num_tokens, device = hidden_states.shape[0], hidden_states.device
     _check("topk_weights", topk_weights, (num_tokens, ks.top_k), None, device)
     _check("topk_ids", topk_ids, (num_tokens, ks.top_k), None, device)
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
-    aligned = align_tokens(topk_ids, ks.num_experts, cfg.block_m)
+    aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
 

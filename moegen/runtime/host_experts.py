@@ -1,0 +1,86 @@
+"""Expert weights of all MoE layers in pinned host memory, the source of every expert transfer.
+
+One pinned [E, 2I, H] and [E, H, I] buffer per layer, filled expert by expert, so a checkpoint is
+never held twice in pageable memory: tensors handed in are copied into the pinned buffers (and
+may be dropped by the caller), safetensors files are read through their memory map one expert
+at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+# Checkpoint names per expert projection: Mixtral (w1 gate, w3 up, w2 down) and the
+# Qwen/DeepSeek/OLMoE style (gate_proj, up_proj, down_proj).
+PROJECTION_NAMES = {"mixtral": ("w1", "w3", "w2"), "llama": ("gate_proj", "up_proj", "down_proj")}
+MIXTRAL_KEY = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight"
+
+
+def _pinned_empty(shape, dtype) -> torch.Tensor:
+    # Pinned memory needs a CUDA driver; on a CPU-only machine plain memory stands in.
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+@dataclass(frozen=True)
+class HostExperts:
+    w13: tuple[torch.Tensor, ...]  # per layer [E, 2I, H], pinned
+    w2: tuple[torch.Tensor, ...]  # per layer [E, H, I], pinned
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.w13)
+
+    @property
+    def expert_bytes(self) -> int:
+        return (self.w13[0][0].numel() + self.w2[0][0].numel()) * self.w13[0].element_size()
+
+    @classmethod
+    def empty(cls, num_layers: int, num_experts: int, hidden: int, inter: int, dtype) -> "HostExperts":
+        return cls(tuple(_pinned_empty((num_experts, 2 * inter, hidden), dtype) for _ in range(num_layers)),
+                   tuple(_pinned_empty((num_experts, hidden, inter), dtype) for _ in range(num_layers)))
+
+    @classmethod
+    def from_tensors(cls, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "HostExperts":
+        """layers: per layer (w13 [E,2I,H], w2 [E,H,I]). Pinned inputs are used as they are;
+        others are copied into pinned buffers expert by expert."""
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu" and (t.is_pinned() or not torch.cuda.is_available()):
+                return t.contiguous()
+            buffer = _pinned_empty(tuple(t.shape), t.dtype)
+            for e in range(t.shape[0]):
+                buffer[e].copy_(t[e])
+            return buffer
+
+        return cls(tuple(pinned(w13) for w13, _ in layers), tuple(pinned(w2) for _, w2 in layers))
+
+    @classmethod
+    def from_safetensors(cls, files: Iterable[str | Path], num_layers: int, num_experts: int, hidden: int,
+                         inter: int, dtype, key_format: str = MIXTRAL_KEY, names: str = "mixtral",
+                         layer_ids: Sequence[int] | None = None) -> "HostExperts":
+        """Read expert projections named like key_format (fields layer, expert, proj) from a
+        (sharded) safetensors checkpoint. layer_ids: the checkpoint's layer index of each MoE
+        layer (default 0..num_layers-1; DeepSeek's first layers are dense)."""
+        from safetensors import safe_open
+
+        gate, up, down = PROJECTION_NAMES[names]
+        layer_ids = list(layer_ids) if layer_ids is not None else list(range(num_layers))
+        host = cls.empty(len(layer_ids), num_experts, hidden, inter, dtype)
+        wanted = {}
+        for index, layer in enumerate(layer_ids):
+            for e in range(num_experts):
+                for proj, (target, rows) in ((gate, ("w13", slice(0, inter))), (up, ("w13", slice(inter, 2 * inter))),
+                                             (down, ("w2", slice(None)))):
+                    wanted[key_format.format(layer=layer, expert=e, proj=proj)] = (target, index, e, rows)
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    if key in wanted:
+                        target, index, e, rows = wanted.pop(key)
+                        getattr(host, target)[index][e, rows].copy_(f.get_tensor(key))
+        if wanted:
+            missing = sorted(wanted)[:3]
+            raise KeyError(f"{len(wanted)} expert tensors not found in the checkpoint, e.g. {missing}")
+        return host

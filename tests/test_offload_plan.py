@@ -1,0 +1,77 @@
+"""The offload plan: budget arithmetic, per-layer slot allocation, pinning, errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moegen.errors import SpecError
+from moegen.ir import lower
+from moegen.plan.offload import plan_offload
+from moegen.spec import load_spec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _ir(tmp_path, spec="deepseek-v3", **replacements):
+    text = (REPO / "specs" / f"{spec}.yaml").read_text()
+    for old, new in replacements.items():
+        text = text.replace(old, new)
+    path = tmp_path / f"{spec}.yaml"
+    path.write_text(text)
+    return lower(load_spec(path), path)
+
+
+def test_all_resident_when_the_experts_fit(tmp_path):
+    p = plan_offload(_ir(tmp_path, "mixtral-8x7b"))  # 32 x 8 x 336 MiB = 84 GiB < 100 GiB
+    assert not p.offloaded and p.slots_per_layer == (8,) * 32 and p.expected_hit_rate == 1.0
+    assert p.stall_ms_per_token == 0.0
+
+
+def test_budget_is_split_into_slots_never_exceeding_it(tmp_path):
+    p = plan_offload(_ir(tmp_path))
+    assert p.offloaded
+    assert p.expert_bytes == 3 * 7168 * 2048 * 2
+    assert sum(p.slots_per_layer) * p.expert_bytes <= p.budget_bytes
+    assert sum(p.slots_per_layer) == p.budget_bytes // p.expert_bytes
+    assert min(p.slots_per_layer) >= 8 and max(p.slots_per_layer) - min(p.slots_per_layer) <= 1
+    # Uniform routing: hit rate = resident share; every miss moves one expert over the link.
+    assert p.expected_hit_rate == pytest.approx(sum(p.slots_per_layer) / (58 * 256))
+    assert p.bytes_per_token == pytest.approx(58 * 8 * (1 - p.expected_hit_rate) * p.expert_bytes)
+
+
+def test_a_profile_moves_slots_to_layers_with_skewed_routing(tmp_path):
+    ir = _ir(tmp_path, "mixtral-8x7b", **{"expert_memory_gib: 100": "expert_memory_gib: 50",
+                                          "policy: lru": "policy: pinned_lru"})
+    uniform = [1.0] * 8
+    skewed = [100.0, 90.0, 80.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    popularity = [skewed if layer % 2 else uniform for layer in range(32)]
+    p = plan_offload(ir, popularity)
+    assert sum(p.slots_per_layer) == p.budget_bytes // p.expert_bytes
+    # Uniform layers gain 1/8 per slot; a skewed layer's third expert is worth more than that.
+    assert all(p.slots_per_layer[l] >= 3 for l in range(1, 32, 2))
+    assert all(p.pinned[l][: p.slots_per_layer[l] - 2] == tuple(range(p.slots_per_layer[l] - 2))
+               for l in range(1, 32, 2))
+    assert all(len(p.pinned[l]) == p.slots_per_layer[l] - 2 for l in range(32))
+
+
+def test_prefetch_lookahead_hides_a_transfer_behind_compute(tmp_path):
+    p = plan_offload(_ir(tmp_path, **{"prefetch: none": "prefetch: router"}))
+    assert p.lookahead >= 1 and p.lookahead * p.layer_compute_us >= min(p.transfer_us, 57 * p.layer_compute_us)
+
+
+def test_too_small_a_budget_is_a_spec_error(tmp_path):
+    with pytest.raises(SpecError, match="expert_memory_gib") as error:
+        plan_offload(_ir(tmp_path, **{"expert_memory_gib: 100": "expert_memory_gib: 10"}))
+    assert "raise target.expert_memory_gib to at least" in str(error.value)
+
+
+def test_plan_cli_prints_json(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "moegen", "plan", str(REPO / "specs" / "deepseek-v3.yaml"), "--json"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["offloaded"] is True and len(plan["slots_per_layer"]) == 58

@@ -1,0 +1,165 @@
+"""Expert-offload benchmark on the GPU, run by tools/gpu_check.py (section "Expert offload").
+
+A stack of the first `layers` MoE layers of a model, its experts in pinned host memory, decodes
+with routing replayed from a real trace at several residencies: tokens/s against the same stack
+all-resident and against the physical floor (bytes actually moved / measured host-link
+bandwidth + the all-resident compute), stall time and the share of transfer time hidden.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moegen import load
+from moegen.ir import lower
+from moegen.offload.trace import load_trace
+from moegen.package import build
+from moegen.plan.offload import plan_offload
+from moegen.runtime import fused
+from moegen.runtime.host_experts import HostExperts
+from moegen.runtime.offload import OffloadedMoE
+from moegen.spec import load_spec
+
+CASES = (  # spec, trace, MoE layers in the stack, tokens replayed
+    ("mixtral-8x7b", "mixtral-8x7b-gsm8k.jsonl.gz", 8, 244),
+    ("deepseek-v2-lite", "deepseek-v2-lite-intent.jsonl.gz", 8, 300),
+)
+RESIDENCIES = (0.25, 0.5, 0.75)
+
+
+@dataclass
+class OffloadRow:
+    case: str
+    residency: str
+    policy: str
+    tokens_per_s: float
+    resident_tokens_per_s: float
+    floor_tokens_per_s: float
+    hit_rate: float
+    gib_moved: float
+    stall_ms_per_token: float
+    hidden_pct: float
+    peak_pool_gib: float
+    budget_gib: float
+    max_rel_diff: float
+
+
+def measure_h2d_gbps(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def _random_host_experts(pkg, layers: int, generator) -> HostExperts:
+    m = pkg.SPEC.model
+    host = HostExperts.empty(layers, m.num_experts, m.hidden_size, m.intermediate_size, pkg.KERNELS.dtype)
+    for layer in range(layers):  # drawn on the GPU, one layer at a time, then copied to pinned memory
+        host.w13[layer].copy_(torch.randn(host.w13[layer].shape, device="cuda", generator=generator,
+                                          dtype=torch.bfloat16).mul_(m.hidden_size ** -0.5))
+        host.w2[layer].copy_(torch.randn(host.w2[layer].shape, device="cuda", generator=generator,
+                                         dtype=torch.bfloat16).mul_(m.intermediate_size ** -0.5))
+    return host
+
+
+def _decode(step, tokens: int, layers: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for t in range(tokens):
+        for layer in range(layers):
+            step(t, layer)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build_dir: Path,
+               policies: tuple[str, ...], make_engine) -> list[OffloadRow]:
+    spec_path = Path(__file__).resolve().parent.parent / "specs" / f"{spec_name}.yaml"
+    pkg = load(build(spec_path, build_dir)[0])
+    ks, m = pkg.KERNELS, pkg.SPEC.model
+    trace = load_trace(trace_path)
+    tokens = min(tokens, trace.num_tokens)
+    ids = torch.from_numpy(trace.experts[:tokens, :layers].astype("int64")).cuda()  # [T, L, k]
+    weights = torch.full((1, m.top_k), 1.0 / m.top_k, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    host = _random_host_experts(pkg, layers, generator)
+    x = torch.randn(tokens, 1, m.hidden_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+
+    # All resident: the same stack with every expert on the GPU.
+    resident = [(host.w13[l].cuda(), host.w2[l].cuda()) for l in range(layers)]
+    resident_out = {}
+
+    def resident_step(t, layer):
+        out = fused.fused_experts(ks, x[t], weights, ids[t, layer].view(1, -1), *resident[layer])
+        if t < 4:
+            resident_out[(t, layer)] = out
+
+    resident_step(0, 0)
+    resident_s = _decode(resident_step, tokens, layers)
+    compute_s_per_token = resident_s / tokens
+    del resident
+    torch.cuda.empty_cache()
+    link_gbps = measure_h2d_gbps()
+
+    ir = lower(load_spec(spec_path), spec_path)
+    ir = replace(ir, spec=replace(ir.spec, model=replace(ir.spec.model, num_layers=layers)))
+    rows = []
+    for residency in RESIDENCIES:
+        slots = max(m.top_k, round(m.num_experts * residency))
+        budget_gib = layers * slots * host.expert_bytes / 2**30
+        ir_budget = replace(ir, spec=replace(ir.spec, target=replace(ir.spec.target, expert_memory_gib=budget_gib)))
+        for policy in policies:
+            plan = plan_offload(ir_budget)
+            engine, predictor, plan = make_engine(policy, plan, trace, layers)
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            runtime = OffloadedMoE(ks, plan, host, engine, predictor=predictor)
+            pool_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
+            diffs = []
+
+            def step(t, layer):
+                out = runtime.forward(layer, x[t], weights, ids[t, layer].view(1, -1))
+                if (t, layer) in resident_out:
+                    ref = resident_out[(t, layer)].float()
+                    diffs.append(float((out.float() - ref).norm() / ref.norm()))
+
+            seconds = _decode(step, tokens, layers)
+            peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
+            s = runtime.stats
+            transfer_s = s.bytes_moved / (link_gbps * 1e9)
+            floor_s = transfer_s + compute_s_per_token * tokens
+            rows.append(OffloadRow(
+                case=f"{spec_name} x{layers} layers", residency=f"{slots}/{m.num_experts}", policy=policy,
+                tokens_per_s=tokens / seconds, resident_tokens_per_s=tokens / resident_s,
+                floor_tokens_per_s=tokens / floor_s, hit_rate=s.hit_rate, gib_moved=s.bytes_moved / 2**30,
+                stall_ms_per_token=1e3 * s.stall_s / tokens,
+                hidden_pct=100.0 * max(0.0, 1.0 - s.stall_s / transfer_s) if transfer_s else 100.0,
+                peak_pool_gib=max(pool_gib, peak_gib), budget_gib=budget_gib,
+                max_rel_diff=max(diffs) if diffs else float("nan"),
+            ))
+            del runtime
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[OffloadRow], link_note: str) -> list[str]:
+    out = ["| stack | resident | policy | tok/s | all-resident tok/s | floor tok/s | % of floor | hit rate | "
+           "GiB moved | stall ms/token | transfer hidden | peak expert GiB (budget) | max rel diff vs resident |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in rows:
+        out.append(f"| {r.case} | {r.residency} | {r.policy} | {r.tokens_per_s:.1f} | {r.resident_tokens_per_s:.1f} | "
+                   f"{r.floor_tokens_per_s:.1f} | {100 * r.tokens_per_s / r.floor_tokens_per_s:.0f}% | "
+                   f"{r.hit_rate:.3f} | {r.gib_moved:.1f} | {r.stall_ms_per_token:.2f} | {r.hidden_pct:.0f}% | "
+                   f"{r.peak_pool_gib:.2f} ({r.budget_gib:.2f}) | {r.max_rel_diff:.1e} |")
+    out.append("")
+    out.append(f"- floor = bytes moved / measured pinned host-to-device bandwidth ({link_note}) + the "
+               "all-resident compute time; transfer hidden = 1 - stall / transfer time")
+    return out
