@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from moegen.errors import MoegenError
+from moegen.offload.simulate_cli import add_simulate_parser
 from moegen.tune.cache_cli import add_cache_parser
 
 
@@ -111,6 +112,7 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(run=_cmd_plan)
 
     add_cache_parser(sub)
+    add_simulate_parser(sub)
     return p
 
 

@@ -40,6 +40,12 @@ def precompile() -> Optional[bool]:
     return None if not value else _flag("MOEGEN_PRECOMPILE")
 
 
+def route_align_max_tokens() -> int:
+    """MOEGEN_ROUTE_ALIGN_MAX_TOKENS: batches up to this size are routed and aligned by the
+    single-program kernel, larger ones by tensor ops (default 256)."""
+    return int(os.environ.get("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "256"))
+
+
 def triton_interpret() -> bool:
     """TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter."""
     return _flag("TRITON_INTERPRET")

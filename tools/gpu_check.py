@@ -6,9 +6,9 @@
 
 1. Runs `pytest -q -m gpu tests/test_gpu.py` in a subprocess and prints its summary line
    (a failure does not stop the script, but it exits non-zero at the end).
-2. Measures the two ceilings in this process: HBM bandwidth (the better of a large
-   device-to-device copy, counting bytes read + written, and a streaming torch.sum over a 4 GiB
-   bf16 tensor) and the bf16 GEMM rate (8192^3 torch.matmul on random data).
+2. Measures the two ceilings in this process (moegen.tune.bench.measure_ceilings, as the tuner):
+   HBM bandwidth (the better of a 4 GiB device-to-device copy, counting bytes read + written,
+   and a streaming-read Triton kernel) and the bf16 GEMM rate (8192^3 matmul, random data).
 3. For each shipped spec and token count, times moegen's fused_moe (routing included), a naive
    per-expert PyTorch loop and torch._grouped_mm, each first checked against the float64
    reference (T <= 4096 only: the reference at T = 16384 costs more than the whole benchmark).
@@ -17,8 +17,10 @@
    replays are timed (the naive loop synchronizes with the host, so it runs eagerly).
    Floor = max(bytes of the distinct experts this routing touches + activations in and out) /
    HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2.
-4. Records the first fused_moe call after import per spec (T=1, Triton compilation included,
-   from an empty Triton cache unless --warm-triton-cache).
+4. Records the first fused_moe call after import per spec and bucket (from an empty Triton
+   cache unless --warm-triton-cache: a build on the target GPU ships compiled kernels).
+5. The expert-offload benchmark (tools/offload_bench.py): Mixtral- and DeepSeek-V2-Lite-sized
+   stacks decoding with routing replayed from ../shared/traces at 25/50/75% residency.
 
 Prints a markdown report; with $OUT set, also writes it to $OUT/gpu_check.md.
 """
@@ -64,6 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the whole pipeline on the CPU (Triton interpreter, specs/tiny.yaml, "
                          "perf_counter timing, no graphs)")
+    ap.add_argument("--traces", type=Path, default=REPO_ROOT.parent / "shared" / "traces",
+                    help="folder of moegen-trace files for the offload benchmark (default ../shared/traces)")
+    ap.add_argument("--skip-offload", action="store_true", help="do not run the expert-offload benchmark")
     ap.add_argument("--warm-triton-cache", action="store_true",
                     help="keep the user's Triton cache (the cold-start column then may not compile)")
     args = ap.parse_args(argv)
@@ -483,7 +488,8 @@ def cold_table(colds: list[Cold]) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    test_env = dict(os.environ)
+    # The tests check correctness: compiling every bucket into their packages would only cost time.
+    test_env = dict(os.environ, MOEGEN_PRECOMPILE="0")
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
     elif not args.warm_triton_cache:
@@ -574,7 +580,16 @@ def main(argv=None) -> int:
         say(line)
     say()
     if not args.cpu_smoke and not args.warm_triton_cache:
-        say("- from an empty Triton cache: the first call compiles the T=1 kernels")
+        say("- from an empty Triton cache: a package built on this GPU ships its compiled kernels "
+            "('kernels shipped'), so the first call only loads them; otherwise it compiles")
+    if not args.cpu_smoke and not args.skip_offload:
+        from tools.offload_bench import run_all
+
+        say("## Expert offload: decode with routing replayed from real traces")
+        say()
+        with tempfile.TemporaryDirectory(prefix="moegen-offload-") as build_dir:
+            problems.extend(run_all(args.traces, Path(build_dir), say))
+        say()
     if problems:
         failed = True
         say("## Problems")

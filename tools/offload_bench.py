@@ -13,14 +13,15 @@ from pathlib import Path
 
 import torch
 
-from moegen import load
+from moegen import knobs, load
 from moegen.ir import lower
 from moegen.offload.trace import load_trace
 from moegen.package import build
 from moegen.plan.offload import plan_offload
 from moegen.runtime import fused
 from moegen.runtime.host_experts import HostExperts
-from moegen.runtime.offload import OffloadedMoE
+from moegen.offload.policies import CrossLayerPredictor
+from moegen.runtime.offload import OffloadedMoE, make_engine
 from moegen.spec import load_spec
 
 CASES = (  # spec, trace, MoE layers in the stack, tokens replayed
@@ -28,6 +29,13 @@ CASES = (  # spec, trace, MoE layers in the stack, tokens replayed
     ("deepseek-v2-lite", "deepseek-v2-lite-intent.jsonl.gz", 8, 300),
 )
 RESIDENCIES = (0.25, 0.5, 0.75)
+POLICIES = ("lru", "xlayer")  # demand-fetch LRU; decayed LFU + cross-layer prefetch within LRU's bytes
+
+
+def engine_for(policy: str, plan):
+    if policy == "lru":
+        return make_engine(plan, "lru")
+    return make_engine(plan, "decayed_lfu", CrossLayerPredictor(plan.num_layers, plan.num_experts))
 
 
 @dataclass
@@ -70,10 +78,12 @@ def _random_host_experts(pkg, layers: int, generator) -> HostExperts:
     return host
 
 
-def _decode(step, tokens: int, layers: int) -> float:
+def _decode(step, tokens: int, layers: int, on_sequence_start=None, seq=None) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for t in range(tokens):
+        if on_sequence_start is not None and t > 0 and seq[t] != seq[t - 1]:
+            on_sequence_start()
         for layer in range(layers):
             step(t, layer)
     torch.cuda.synchronize()
@@ -81,9 +91,10 @@ def _decode(step, tokens: int, layers: int) -> float:
 
 
 def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build_dir: Path,
-               policies: tuple[str, ...], make_engine) -> list[OffloadRow]:
+               policies: tuple[str, ...] = POLICIES) -> list[OffloadRow]:
     spec_path = Path(__file__).resolve().parent.parent / "specs" / f"{spec_name}.yaml"
-    pkg = load(build(spec_path, build_dir)[0])
+    with knobs.scope(MOEGEN_PRECOMPILE="0"):  # cold start is measured elsewhere; save the compile
+        pkg = load(build(spec_path, build_dir)[0])
     ks, m = pkg.KERNELS, pkg.SPEC.model
     trace = load_trace(trace_path)
     tokens = min(tokens, trace.num_tokens)
@@ -115,13 +126,14 @@ def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build
     for residency in RESIDENCIES:
         slots = max(m.top_k, round(m.num_experts * residency))
         budget_gib = layers * slots * host.expert_bytes / 2**30
-        ir_budget = replace(ir, spec=replace(ir.spec, target=replace(ir.spec.target, expert_memory_gib=budget_gib)))
+        # A hair over the pools, so the plan's floor division gives every layer `slots`.
+        plan_gib = (layers * slots + 0.5) * host.expert_bytes / 2**30
+        ir_budget = replace(ir, spec=replace(ir.spec, target=replace(ir.spec.target, expert_memory_gib=plan_gib)))
         for policy in policies:
             plan = plan_offload(ir_budget)
-            engine, predictor, plan = make_engine(policy, plan, trace, layers)
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            runtime = OffloadedMoE(ks, plan, host, engine, predictor=predictor)
+            runtime = OffloadedMoE(ks, plan, host, engine_for(policy, plan))
             pool_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
             diffs = []
 
@@ -131,23 +143,45 @@ def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build
                     ref = resident_out[(t, layer)].float()
                     diffs.append(float((out.float() - ref).norm() / ref.norm()))
 
-            seconds = _decode(step, tokens, layers)
+            seconds = _decode(step, tokens, layers, on_sequence_start=runtime.begin_sequence, seq=trace.seq)
             peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
             s = runtime.stats
             transfer_s = s.bytes_moved / (link_gbps * 1e9)
+            stall_s = runtime.stall_s
             floor_s = transfer_s + compute_s_per_token * tokens
             rows.append(OffloadRow(
                 case=f"{spec_name} x{layers} layers", residency=f"{slots}/{m.num_experts}", policy=policy,
                 tokens_per_s=tokens / seconds, resident_tokens_per_s=tokens / resident_s,
                 floor_tokens_per_s=tokens / floor_s, hit_rate=s.hit_rate, gib_moved=s.bytes_moved / 2**30,
-                stall_ms_per_token=1e3 * s.stall_s / tokens,
-                hidden_pct=100.0 * max(0.0, 1.0 - s.stall_s / transfer_s) if transfer_s else 100.0,
+                stall_ms_per_token=1e3 * stall_s / tokens,
+                hidden_pct=100.0 * max(0.0, 1.0 - stall_s / transfer_s) if transfer_s else 100.0,
                 peak_pool_gib=max(pool_gib, peak_gib), budget_gib=budget_gib,
                 max_rel_diff=max(diffs) if diffs else float("nan"),
             ))
             del runtime
             torch.cuda.empty_cache()
     return rows
+
+
+def run_all(traces_dir: Path, build_dir: Path, say) -> list[str]:
+    """Every case; returns problems (a case that fails does not stop the others)."""
+    problems, rows = [], []
+    for spec_name, trace_name, layers, tokens in CASES:
+        trace_path = traces_dir / trace_name
+        if not trace_path.exists():
+            problems.append(f"offload {spec_name}: no trace {trace_path} (pass --traces DIR)")
+            continue
+        try:
+            rows += bench_case(spec_name, trace_path, layers, tokens, build_dir)
+        except Exception as error:  # noqa: BLE001 - report and go on
+            import traceback
+
+            traceback.print_exc()
+            problems.append(f"offload {spec_name}: {type(error).__name__}: {error}")
+        torch.cuda.empty_cache()
+    for line in table(rows, f"{measure_h2d_gbps():.1f} GB/s measured"):
+        say(line)
+    return problems
 
 
 def table(rows: list[OffloadRow], link_note: str) -> list[str]:

@@ -77,27 +77,29 @@ def load_trace(path) -> Trace:
     header = _parse(path, 1, lines[0])
     _check_header(path, header)
     layers, num_experts, top_k = (header[key] for key in _HEADER_INTS)
-    experts, seq = [], []
-    for number, text in enumerate(lines[1:], start=2):
-        if not text.strip():
-            continue  # a trailing blank line is harmless
-        token = _parse(path, number, text)
-        experts.append(_check_token(path, number, token, layers, top_k))
-        seq.append(token["seq"])
-    if not experts:
+    body = [(number, text) for number, text in enumerate(lines[1:], start=2) if text.strip()]
+    if not body:
         raise TraceError(path, 2, "no tokens after the header", "record at least one token line")
+    numbers = [number for number, _ in body]  # blank lines are harmless but shift the line numbers
+    ids, seq = _fast_parse(body, layers, top_k)
+    if ids is None:  # something is off: check line by line to say where
+        experts, seq = [], []
+        for number, text in body:
+            token = _parse(path, number, text)
+            experts.append(_check_token(path, number, token, layers, top_k))
+            seq.append(token["seq"])
+        ids = np.asarray(experts, dtype=np.int64)
 
-    ids = np.asarray(experts, dtype=np.int64)
     bad = (ids < 0) | (ids >= num_experts)
     if bad.any():
         token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
-        raise TraceError(path, token + 2, f"layer {layer}: expert id {int(ids[token, layer, slot])} out of range",
+        raise TraceError(path, numbers[token], f"layer {layer}: expert id {int(ids[token, layer, slot])} out of range",
                          f"ids must lie in 0..{num_experts - 1} (num_experts {num_experts} in the header)")
     ordered = np.sort(ids, axis=2)
     repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
     if repeated.any():
         token, layer = (int(i) for i in np.argwhere(repeated)[0])
-        raise TraceError(path, token + 2, f"layer {layer}: expert ids {ids[token, layer].tolist()} repeat an id",
+        raise TraceError(path, numbers[token], f"layer {layer}: expert ids {ids[token, layer].tolist()} repeat an id",
                          f"each layer lists top_k={top_k} distinct experts")
     expert_array = ids.astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
     seq_array = np.asarray(seq, dtype=np.int32)
@@ -106,6 +108,21 @@ def load_trace(path) -> Trace:
     return Trace(path=str(path), model=str(header.get("model", "")), num_layers=layers,
                  num_experts=num_experts, top_k=top_k, source=str(header.get("source", "")),
                  note=str(header.get("note", "")), experts=expert_array, seq=seq_array)
+
+
+def _fast_parse(body: list, layers: int, top_k: int):
+    """(ids [tokens, layers, top_k], seq) in one pass when the whole body is well formed, else
+    (None, None): the careful per-line checks then find the first problem."""
+    try:
+        tokens = json.loads("[" + ",".join(text for _, text in body) + "]")
+        ids = np.asarray([token["experts"] for token in tokens])
+        seq = [token["seq"] for token in tokens]
+        seq_kind = np.asarray(seq).dtype.kind
+    except (ValueError, TypeError, KeyError):  # bad JSON, ragged rows, a non-object line
+        return None, None
+    if ids.shape != (len(body), layers, top_k) or ids.dtype.kind not in "iu" or seq_kind not in "iu":
+        return None, None
+    return ids.astype(np.int64), seq
 
 
 def _parse(path: Path, number: int, text: str) -> dict:

@@ -11,6 +11,7 @@ from moegen import __version__
 from moegen.plan import BuildPlan
 from moegen.plan.configs import pow2_at_least
 from moegen.plan.cost_model import FORMULAS, matrix_tflops
+from moegen.plan.offload import OFFLOAD_FORMULAS, OffloadPlan
 from moegen.render import (DOT_PRECISION, DOWN_TEMPLATE, GATE_UP_TEMPLATE, ROUTE_ALIGN_TEMPLATE, TORCH_DTYPES,
                            kernel_name, render, template_hashes)
 
@@ -56,6 +57,24 @@ def _report_rows(build: BuildPlan) -> list[list[str]]:
             str(c.group_m), str(c.num_warps), str(c.num_stages), b.source,
         ])
     return rows
+
+
+def offload_summary(p: OffloadPlan) -> list[tuple[str, str]]:
+    """(quantity, value) rows for REPORT.md and `moegen plan`."""
+    slots = sorted(set(p.slots_per_layer))
+    return [
+        ("experts offloaded", "yes" if p.offloaded else "no: every expert fits the budget"),
+        ("expert size", f"{p.expert_bytes / 2**20:.1f} MiB"),
+        ("budget", f"{p.budget_bytes / 2**30:.1f} GiB for {p.num_layers} x {p.num_experts} experts "
+                   f"({p.num_layers * p.num_experts * p.expert_bytes / 2**30:.1f} GiB)"),
+        ("slots per layer", ", ".join(map(str, slots)) if len(slots) <= 4 else f"{slots[0]}..{slots[-1]}"),
+        ("pinned experts", str(sum(len(x) for x in p.pinned))),
+        ("policy / prefetch", f"{p.policy} / {p.prefetch} (lookahead {p.lookahead} layers)"),
+        ("layer compute / expert transfer", f"{p.layer_compute_us:.1f} us / {p.transfer_us:.1f} us"),
+        ("expected hit rate", f"{p.expected_hit_rate:.3f} ({p.estimate_from})"),
+        ("bytes moved per token", f"{p.bytes_per_token / 2**20:.1f} MiB"),
+        ("stall per token", f"{p.stall_ms_per_token:.2f} ms"),
+    ]
 
 
 def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]:
@@ -107,7 +126,10 @@ def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]
             sm_count=target.sm_count,
             formula_rows=[(k, str(v)) for k, v in FORMULAS.items()],
             bucket_rows=_report_rows(build),
+            offload_rows=offload_summary(build.offload),
+            offload_formulas=[(k, str(v)) for k, v in OFFLOAD_FORMULAS.items()],
         ),
         "manifest.json": json.dumps(manifest(build, versions), indent=2, sort_keys=True) + "\n",
+        "plan.json": json.dumps(build.offload.to_json(), indent=2, sort_keys=True) + "\n",
     }
     return files

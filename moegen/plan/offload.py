@@ -124,6 +124,17 @@ def plan_offload(ir: ModelIR, popularity: Optional[Sequence[Sequence[float]]] = 
                        hit_rate, misses_per_token * expert_bytes, misses_per_token * transfer_us / 1e3, source)
 
 
+def simulated_hit_rate(ir: ModelIR, trace, plan: OffloadPlan) -> float:
+    """Replay the trace through the engine this plan configures (its slots, pinning, policy and
+    prefetch mode): the same code the runtime runs."""
+    from moegen.offload.engine import engine_for_plan, routing_predictor
+    from moegen.offload.simulate import link_model, replay
+
+    engine = engine_for_plan(plan, predictor=routing_predictor(plan.prefetch, plan.num_layers, plan.num_experts))
+    replay(trace, engine, link_model(ir.spec), max(1, plan.lookahead))
+    return engine.stats.hit_rate
+
+
 def with_trace_layers(ir: ModelIR, trace) -> ModelIR:
     """The IR for replaying `trace`: experts and top-k must agree with the spec; the layer count
     is the trace's (a trace may cover a model variant with another depth)."""
@@ -153,7 +164,6 @@ def trace_popularity(trace) -> list[list[int]]:
 def plan_for_trace(ir: ModelIR, trace_path) -> OffloadPlan:
     """The plan with the trace as activation profile (slot allocation, pinning) and its hit rate
     from replaying the trace through the policy the spec names."""
-    from moegen.offload.simulate import simulated_hit_rate
     from moegen.offload.trace import load_trace
 
     trace = load_trace(trace_path)

@@ -14,8 +14,8 @@ from moegen.runtime.align import Alignment, align_tokens, max_padded_slots
 from moegen.runtime.routing import RoutingParams, route
 
 # Batches up to this size are routed and aligned by the single-program kernel (3 launches per
-# MoE call in all); larger ones by tensor ops, whose launch count no longer matters.
-ROUTE_ALIGN_MAX_TOKENS = 256
+# MoE call in all); larger ones by tensor ops, whose launch count matters less there.
+ROUTE_ALIGN_MAX_TOKENS = knobs.route_align_max_tokens()
 
 
 @dataclass(frozen=True)
