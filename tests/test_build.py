@@ -154,3 +154,52 @@ def test_precompiled_kernels_install_into_tritons_cache(tmp_path):
                                     "kernel.json": str(cache / "abc123" / "kernel.json")}
     assert (cache / "abc123" / "kernel.cubin").read_bytes() == b"\x7fELF-binary"
     assert install(tmp_path / "no-package") == 0
+
+
+def test_precompiled_launches_match_the_runtimes(package_factory):
+    """compile_buckets must specialize each kernel exactly as the runtime launches it (same
+    tensor dtypes, same non-token integers, same meta-parameters), or the first call after
+    import would compile after all."""
+    import dataclasses
+
+    import torch
+
+    from moegen.package.precompile import compile_buckets
+    from moegen.reference import separated_router_logits
+
+    pkg = package_factory(**dict(hidden_size=40, intermediate_size=24, num_experts=6, top_k=2, dtype="float32"))
+    launched, warmed = [], []
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((self.name, args, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+        def warmup(self, *args, grid, **kwargs):
+            warmed.append((self.name, args, kwargs))
+
+    ks = pkg.KERNELS
+    recorded = dataclasses.replace(ks, **{name: Recorder(name, getattr(ks, name))
+                                          for name in ("route_align", "gate_up", "down_reduce")})
+    from moegen.runtime import fused
+
+    for tokens in ks.buckets:
+        x = torch.randn(tokens, 40)
+        fused.fused_moe(recorded, x, separated_router_logits(tokens, ks.routing), torch.randn(6, 48, 40),
+                        torch.randn(6, 40, 24))
+    compile_buckets(recorded)
+    token_dependent = 1 << 20
+
+    def matches(run, warm) -> bool:
+        name, args, kwargs = run
+        if name != warm[0] or kwargs != warm[2] or len(args) != len(warm[1]):
+            return False
+        return all(w == (a.dtype if isinstance(a, torch.Tensor) else a) or w == token_dependent
+                   for a, w in zip(args, warm[1]))
+
+    assert launched and all(any(matches(run, warm) for warm in warmed) for run in launched)

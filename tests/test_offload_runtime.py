@@ -12,7 +12,8 @@ from moegen.ir import lower
 from moegen.plan.offload import plan_offload
 from moegen.runtime import fused
 from moegen.runtime.host_experts import MIXTRAL_KEY, HostExperts
-from moegen.runtime.offload import OffloadedMoE, make_engine, runtime_predictor
+from moegen.offload.engine import engine_for_plan
+from moegen.runtime.offload import OffloadedMoE, runtime_predictor
 from moegen.spec.schema import ModelSpec, OffloadSpec, Spec, TargetSpec, WorkloadSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,7 +38,7 @@ def test_offloaded_output_equals_all_resident(package_factory, slots, predictor,
     pkg, plan, host, layers = _setup(package_factory, slots, prefetch="none" if predictor is None else "history")
     assert plan.offloaded and plan.slots_per_layer == (slots,) * 3
     routers = [torch.randn(6, 40) for _ in range(3)]
-    engine = make_engine(plan, predictor=runtime_predictor(predictor, plan, routers) if predictor else None)
+    engine = engine_for_plan(plan, predictor=runtime_predictor(predictor, plan, routers) if predictor else None)
     runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine, device=DEVICE)
     assert runtime.pool_bytes == 3 * slots * plan.expert_bytes <= plan.budget_bytes
     generator = torch.Generator().manual_seed(slots)
@@ -65,7 +66,7 @@ def test_router_prefetch_brings_experts_in_before_their_layer(package_factory):
     pkg, plan, host, layers = _setup(package_factory, 4, prefetch="router")
     generator = torch.Generator().manual_seed(5)
     routers = [torch.randn(6, 40, generator=generator).to(DEVICE) * 3.0 for _ in range(3)]
-    engine = make_engine(plan, predictor=runtime_predictor("router", plan, routers), cap_bytes_at_lru=False)
+    engine = engine_for_plan(plan, predictor=runtime_predictor("router", plan, routers), cap_bytes_at_lru=False)
     runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine, device=DEVICE)
     for step in range(10):
         x = torch.randn(1, 40, generator=generator).to(DEVICE)

@@ -21,7 +21,8 @@ from moegen.plan.offload import plan_offload
 from moegen.runtime import fused
 from moegen.runtime.host_experts import HostExperts
 from moegen.offload.policies import CrossLayerPredictor
-from moegen.runtime.offload import OffloadedMoE, make_engine
+from moegen.offload.engine import engine_for_plan
+from moegen.runtime.offload import OffloadedMoE
 from moegen.spec import load_spec
 
 CASES = (  # spec, trace, MoE layers in the stack, tokens replayed
@@ -34,8 +35,8 @@ POLICIES = ("lru", "xlayer")  # demand-fetch LRU; decayed LFU + cross-layer pref
 
 def engine_for(policy: str, plan):
     if policy == "lru":
-        return make_engine(plan, "lru")
-    return make_engine(plan, "decayed_lfu", CrossLayerPredictor(plan.num_layers, plan.num_experts))
+        return engine_for_plan(plan, "lru")
+    return engine_for_plan(plan, "decayed_lfu", CrossLayerPredictor(plan.num_layers, plan.num_experts))
 
 
 @dataclass

@@ -20,15 +20,15 @@ CACHE_FOLDER = "triton_cache"
 _GROUP_PREFIX = "__grp__"
 
 
-def _mock_launch_args(ks, cfg, logits_dtype):
+def _mock_launch_args(ks):
     """Arguments with the same types and specializations as the runtime's launches: dtypes
-    stand in for tensors (Triton's warmup mocks them), strides and sizes as the runtime passes."""
+    stand in for tensors (Triton's warmup mocks them), strides and sizes as the runtime passes.
+    The routing kernel's first argument, the logits, is left for the caller to choose."""
     import torch
 
     h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
     n = 1 << 20  # stands in for the token-dependent sizes, which are never specialized
-    route = (logits_dtype, torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32,
-             n, e, n)
+    route = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, n, e, n)
     gate_up = (ks.dtype, ks.dtype, ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n,
                h, 2 * i * h, h, i)
     down = (ks.dtype, ks.dtype, ks.dtype, torch.float32, torch.int32, torch.int32, torch.int32, n, n,
@@ -40,16 +40,15 @@ def compile_buckets(ks) -> None:
     """Compile (without launching) every kernel each bucket's config will launch."""
     import torch
 
-    from moegen.runtime.fused import ROUTE_ALIGN_MAX_TOKENS
+    from moegen.runtime.fused import ROUTE_ALIGN_LAUNCH, ROUTE_ALIGN_MAX_TOKENS
 
+    route, gate_up, down = _mock_launch_args(ks)
     previous = 0
     for bucket, cfg in zip(ks.buckets, ks.configs):
-        # Router logits come in the model's dtype (MoELayer) or float32: compile both.
-        for logits_dtype in sorted({ks.dtype, torch.float32}, key=str):
-            route, gate_up, down = _mock_launch_args(ks, cfg, logits_dtype)
-            if previous + 1 <= ROUTE_ALIGN_MAX_TOKENS:  # this bucket serves batches routed in-kernel
-                ks.route_align.warmup(*route, BLOCK_M=cfg.block_m, BLOCK_T=16, BLOCK_S=64, num_warps=4,
-                                      grid=(1,))
+        if previous < ROUTE_ALIGN_MAX_TOKENS:  # this bucket serves batches routed in-kernel
+            # Router logits come in the model's dtype (MoELayer) or float32: compile both.
+            for logits_dtype in sorted({ks.dtype, torch.float32}, key=str):
+                ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, **ROUTE_ALIGN_LAUNCH, grid=(1,))
         ks.gate_up.warmup(*gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
         ks.down_reduce.warmup(*down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,

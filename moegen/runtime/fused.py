@@ -16,6 +16,8 @@ from moegen.runtime.routing import RoutingParams, route
 # Batches up to this size are routed and aligned by the single-program kernel (3 launches per
 # MoE call in all); larger ones by tensor ops, whose launch count matters less there.
 ROUTE_ALIGN_MAX_TOKENS = knobs.route_align_max_tokens()
+# Launch parameters of the single-program routing kernel: tokens and slots per loop step.
+ROUTE_ALIGN_LAUNCH = dict(BLOCK_T=16, BLOCK_S=64, num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int)
     ks.route_align[(1,)](
         logits, bias, weights, ids, aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
         num_tokens, logits.stride(0), max_padded,
-        BLOCK_M=block_m, BLOCK_T=16, BLOCK_S=64, num_warps=4,
+        BLOCK_M=block_m, **ROUTE_ALIGN_LAUNCH,
     )
     return weights, aligned
 

@@ -9,10 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from moegen.runtime import fused
+from moegen.runtime.host_experts import PROJECTION_NAMES
 
-# Checkpoint names of one expert's projections: Mixtral (w1 gate, w3 up, w2 down) and the
-# Qwen/DeepSeek/OLMoE style (gate_proj, up_proj, down_proj).
-_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
 
 def _activation(name: str):
@@ -83,7 +81,7 @@ class MoELayerBase(torch.nn.Module):
             return state_dict[key]
 
         self.gate.weight.copy_(take("gate.weight"))
-        names = next((n for n in _EXPERT_NAMES if prefix + f"experts.0.{n[0]}.weight" in state_dict), None)
+        names = next((n for n in PROJECTION_NAMES.values() if prefix + f"experts.0.{n[0]}.weight" in state_dict), None)
         if names is None:
             raise KeyError(f"state dict has no {prefix}experts.0.w1.weight nor {prefix}experts.0.gate_proj.weight")
         gate_name, up_name, down_name = names

@@ -19,7 +19,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from moegen.offload.engine import engine_for_plan as make_engine  # noqa: F401 - the runtime's engine
 from moegen.offload.engine import routing_predictor
 from moegen.offload.policies import OffloadPolicyEngine, Predictor
 from moegen.plan.offload import OffloadPlan
