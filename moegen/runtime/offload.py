@@ -13,6 +13,7 @@ for its prefetches.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -94,7 +95,7 @@ class OffloadedMoE:
 
     def _copy(self, load, stream) -> None:
         pool = self.pools[load.layer]
-        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             pool.w13[load.slot].copy_(self.host.w13[load.layer][load.expert], non_blocking=self.on_gpu)
             pool.w2[load.slot].copy_(self.host.w2[load.layer][load.expert], non_blocking=self.on_gpu)
 
@@ -164,11 +165,3 @@ def _chunks_that_fit(ids: list, slots: int) -> list[tuple[int, int]]:
         seen |= set(token)
     chunks.append((start, len(ids)))
     return chunks
-
-
-class _no_stream:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
