@@ -75,3 +75,38 @@ def test_plan_cli_prints_json(tmp_path):
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["offloaded"] is True and len(plan["slots_per_layer"]) == 58
+
+
+TRACES = REPO.parent / "shared" / "traces"
+
+
+@pytest.mark.skipif(not (TRACES / "deepseek-v2-lite-intent.jsonl.gz").exists(), reason="../shared/traces absent")
+def test_plan_from_a_trace_profiles_pins_and_simulates(tmp_path):
+    from moegen.plan.offload import plan_for_trace, trace_popularity
+    from moegen.offload.trace import load_trace
+
+    trace_path = TRACES / "deepseek-v2-lite-intent.jsonl.gz"
+    ir = _ir(tmp_path, "deepseek-v2-lite", **{"expert_memory_gib: 100": "expert_memory_gib: 8",
+                                              "policy: lru": "policy: pinned_lru"})
+    p = plan_for_trace(ir, trace_path)
+    assert p.offloaded and p.estimate_from == "trace deepseek-v2-lite-intent.jsonl.gz"
+    assert sum(p.slots_per_layer) == p.budget_bytes // p.expert_bytes and min(p.slots_per_layer) >= 6
+    popularity = trace_popularity(load_trace(trace_path))
+    for layer, pinned in enumerate(p.pinned):  # the trace's most used experts of each layer
+        assert len(pinned) == p.slots_per_layer[layer] - 6
+        least_pinned = min(popularity[layer][e] for e in pinned)
+        assert all(popularity[layer][e] <= least_pinned for e in range(64) if e not in pinned)
+    # The hit rate comes from replaying the trace (16-23 of 64 slots: well above the resident share).
+    assert 0.5 < p.expected_hit_rate < 1.0
+    assert p.bytes_per_token == pytest.approx(26 * 6 * (1 - p.expected_hit_rate) * p.expert_bytes)
+
+
+def test_plan_rejects_a_trace_of_another_model(tmp_path):
+    from moegen.offload.trace import TraceError
+    from moegen.plan.offload import plan_for_trace
+
+    trace_path = TRACES / "mixtral-8x7b-gsm8k.jsonl.gz"
+    if not trace_path.exists():
+        pytest.skip("../shared/traces absent")
+    with pytest.raises(TraceError, match="top-2 of 8 experts"):
+        plan_for_trace(_ir(tmp_path, "deepseek-v2-lite"), trace_path)
