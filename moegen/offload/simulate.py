@@ -46,9 +46,6 @@ from moegen.offload.policies import (
 )
 from moegen.offload.trace import Trace
 
-ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # as moegen.ir.KernelSignature
-
-
 @dataclass(frozen=True)
 class LinkModel:
     """The time figures of the stall model."""
@@ -63,17 +60,24 @@ class LinkModel:
 
 
 def expert_bytes(spec) -> int:
-    m = spec.model
-    return 3 * m.hidden_size * m.intermediate_size * ELEMENT_BYTES[m.dtype]
+    """One expert's gate, up and down projections in bytes."""
+    from moegen.ir import lower
+
+    sig = lower(spec, spec.name).signature
+    return 3 * sig.hidden_size * sig.intermediate_size * sig.element_bytes
 
 
 def decode_layer_ms(spec, hbm_gbps: float) -> float:
-    """The cost model's memory floor for one token through one MoE layer (moegen.plan.cost_model
-    BYTES at T=1: k experts' weights plus the activations in and out), in ms. At one token the
-    compute floor is far below it."""
-    m = spec.model
-    b = ELEMENT_BYTES[m.dtype]
-    return (m.top_k * 3 * m.hidden_size * m.intermediate_size * b + 2 * m.hidden_size * b) / (hbm_gbps * 1e6)
+    """The cost model's memory floor for one token through one MoE layer (k experts' weights plus
+    the activations in and out: moegen.plan.cost_model at T=1), in ms. At one token the compute
+    floor is far below it."""
+    from dataclasses import replace
+
+    from moegen.ir import lower
+    from moegen.plan.cost_model import bucket_cost
+
+    ir = lower(spec, spec.name)
+    return bucket_cost(ir.signature, replace(ir.target, hbm_gbps=hbm_gbps), 1).memory_us / 1e3
 
 
 def link_model(spec) -> LinkModel:

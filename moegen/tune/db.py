@@ -184,15 +184,21 @@ def validate(data, where) -> dict:
     return {"metadata": data["metadata"], "buckets": data["buckets"], "failures": data.get("failures", {})}
 
 
+def _read_json(path: Path, missing: str, malformed: str):
+    """JSON from path; TuningInputError "<path>: <missing>" or "<path>: <malformed with {error}>"."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TuningInputError(f"{path}: {missing}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TuningInputError(f"{path}: {malformed.format(error=error)}") from None
+
+
 def load_file(path: Path) -> dict:
     """A tuning file's content; TuningInputError (exit code 2) if it is unreadable or malformed."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TuningInputError(f"{path}: no such file; `moegen cache list` shows the tuning files") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TuningInputError(f"{path}: not a moegen tuning file ({error}); fix or delete it") from None
+    data = _read_json(path, "no such file; `moegen cache list` shows the tuning files",
+                      "not a moegen tuning file ({error}); fix or delete it")
     return validate(data, path)
 
 
@@ -408,12 +414,7 @@ def read_bundle(path: Path) -> dict[str, dict]:
     """{file name: content} of a bundle, every file validated before anything is merged."""
     path = Path(path)
     fix = "create one with `moegen cache export -o FILE`"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TuningInputError(f"{path}: no such bundle; {fix}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TuningInputError(f"{path}: not a JSON tuning bundle ({error}); {fix}") from None
+    data = _read_json(path, f"no such bundle; {fix}", "not a JSON tuning bundle ({error}); " + fix)
     if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT or not isinstance(data.get("files"), dict):
         raise TuningInputError(f"{path}: not a moegen tuning bundle (expected \"format\": "
                                f"\"{BUNDLE_FORMAT}\" and a \"files\" object); {fix}")
