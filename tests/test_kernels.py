@@ -36,7 +36,7 @@ CASES = [
     Case("one_token", 1, BASE),
     Case("odd_tokens", 7, BASE),
     Case("several_blocks_per_expert", 70, BASE),
-    Case("beyond_single_program_routing", 300, BASE),  # tensor-op routing and alignment
+    Case("beyond_single_program_routing", 300, BASE),  # multi-program routing and alignment
     Case("all_on_one_expert", 37, BASE, routing="one_expert"),
     Case("half_experts_idle", 23, BASE, routing="half_experts"),
     Case("fp16_gelu_even_k", 19, dict(BASE, hidden_size=64, intermediate_size=48, num_experts=5,
@@ -112,6 +112,47 @@ def test_routing_matches_reference(case, package_factory):
     order, ref_order = ids.long().sort(dim=1), ref_ids.sort(dim=1)
     assert torch.equal(order.values.cpu(), ref_order.values.cpu())
     assert torch.allclose(weights.gather(1, order.indices).double(), ref_weights.gather(1, ref_order.indices), rtol=1e-5)
+
+
+ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "float16"] + [
+    Case("many_experts_top8", 21, dict(BASE, num_experts=20, top_k=8)),
+    Case("grouped_wide", 40, dict(GROUPED, num_experts=32, top_k=6, n_group=8, topk_group=3)),
+]
+
+
+@pytest.mark.parametrize("path", ["single_program", "multi_program"])
+@pytest.mark.parametrize("case", ROUTING_CASES, ids=lambda c: c.name)
+def test_route_and_align_kernels(case, path, package_factory, monkeypatch):
+    """Both routing kernels: the reference's top-k and weights, every slot placed exactly once
+    in a row block of its own expert, padding rows marked, the padded total exact."""
+    from moegen.runtime import fused
+
+    monkeypatch.setattr(fused, "ROUTE_ALIGN_MAX_TOKENS", 1 << 20 if path == "single_program" else 0)
+    pkg = package_factory(**case.model)
+    ks = pkg.KERNELS
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 1)
+    _, logits, _, _, bias = _inputs(case, pkg, generator)
+    block_m = 16
+    weights, a = fused.route_and_align(ks, logits, bias, block_m)
+    ref_weights, ref_ids, _ = ref.route_reference(logits, ks.routing, bias)
+    k, t = ks.top_k, case.tokens
+    slots = a.sorted_slots[: int(a.num_padded)].long().cpu()
+    real = slots[slots < t * k]
+    assert sorted(real.tolist()) == list(range(t * k))
+    counts = torch.bincount(ref_ids.reshape(-1).cpu(), minlength=ks.num_experts)
+    assert int(a.num_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    # The kernels' ids, recovered from the layout (slot s sits in a block of its expert).
+    ids = torch.full((t * k,), -1, dtype=torch.long)
+    for b in range(int(a.num_padded) // block_m):
+        block = slots[b * block_m:(b + 1) * block_m]
+        block = block[block < t * k]
+        assert block.numel() > 0
+        ids[block] = int(a.block_expert[b])
+    ids = ids.view(t, k)
+    order, ref_order = ids.sort(dim=1), ref_ids.cpu().sort(dim=1)
+    assert torch.equal(order.values, ref_order.values)
+    flat_weights = weights.view(t, k).cpu().double()
+    assert torch.allclose(flat_weights.gather(1, order.indices), ref_weights.cpu().gather(1, ref_order.indices), rtol=1e-5)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16)])

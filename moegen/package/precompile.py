@@ -29,26 +29,35 @@ def _mock_launch_args(ks):
     h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
     n = 1 << 20  # stands in for the token-dependent sizes, which are never specialized
     route = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, n, e, n)
+    count = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, n, e)
+    place = (torch.int32,) * 6 + (n,)
     gate_up = (ks.dtype, ks.dtype, ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n,
                h, 2 * i * h, h, i)
     down = (ks.dtype, ks.dtype, ks.dtype, torch.float32, torch.int32, torch.int32, torch.int32, n, n,
             i, h * i, i, h)
-    return route, gate_up, down
+    return route, count, place, gate_up, down
 
 
 def compile_buckets(ks) -> None:
     """Compile (without launching) every kernel each bucket's config will launch."""
     import torch
 
-    from moegen.runtime.fused import ROUTE_ALIGN_LAUNCH, ROUTE_ALIGN_MAX_TOKENS
+    from moegen.runtime.fused import ROUTE_ALIGN_MAX_TOKENS, multi_route_launch, single_route_launch
 
-    route, gate_up, down = _mock_launch_args(ks)
+    route, count, place, gate_up, down = _mock_launch_args(ks)
+    count_launch, place_launch = multi_route_launch(ks)
+    # Router logits come in the model's dtype (MoELayer) or float32: compile both.
+    logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
     previous = 0
     for bucket, cfg in zip(ks.buckets, ks.configs):
-        if previous < ROUTE_ALIGN_MAX_TOKENS:  # this bucket serves batches routed in-kernel
-            # Router logits come in the model's dtype (MoELayer) or float32: compile both.
-            for logits_dtype in sorted({ks.dtype, torch.float32}, key=str):
-                ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, **ROUTE_ALIGN_LAUNCH, grid=(1,))
+        if previous < ROUTE_ALIGN_MAX_TOKENS:  # some of this bucket's batches are routed by one program
+            for logits_dtype in logits_dtypes:
+                ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m,
+                                      **single_route_launch(ks, bucket), grid=(1,))
+        if bucket > ROUTE_ALIGN_MAX_TOKENS:  # and some by the multi-program pair
+            for logits_dtype in logits_dtypes:
+                ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,))
+            ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, **place_launch, grid=(1,))
         ks.gate_up.warmup(*gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
         ks.down_reduce.warmup(*down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,

@@ -93,6 +93,7 @@ def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]
     r = ir.routing
     route_values = dict(
         header=header, kernel_name=names["route_align"], scoring=r.scoring, top_k=r.top_k,
+        top_k_pow2=pow2_at_least(r.top_k),
         num_experts=r.num_experts, num_experts_pow2=pow2_at_least(r.num_experts),
         use_softmax=repr(r.scoring == "softmax"), use_bias=repr(r.correction_bias),
         renormalize=repr(r.renormalize), routed_scaling_factor=repr(float(r.routed_scaling_factor)),

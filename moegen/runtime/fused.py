@@ -13,11 +13,11 @@ from moegen import knobs
 from moegen.runtime.align import Alignment, align_tokens, max_padded_slots
 from moegen.runtime.routing import RoutingParams, route
 
-# Batches up to this size are routed and aligned by the single-program kernel (3 launches per
-# MoE call in all); larger ones by tensor ops, whose launch count matters less there.
+# Batches up to this size are routed and aligned by the single-program kernel (one launch);
+# larger ones by the multi-program pair (two launches and two fills, but parallel).
 ROUTE_ALIGN_MAX_TOKENS = knobs.route_align_max_tokens()
-# Launch parameters of the single-program routing kernel: tokens and slots per loop step.
-ROUTE_ALIGN_LAUNCH = dict(BLOCK_T=16, BLOCK_S=64, num_warps=4)
+# Elements of the [rows, experts] one-hot tiles one routing program holds at a time.
+_ROUTE_TILE = 8192
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class KernelSet:
     """One specialization: the model shape baked into the kernels plus per-bucket configs."""
 
     route_align: Callable
+    route_count: Callable
+    route_place: Callable
     gate_up: Callable
     down_reduce: Callable
     hidden_size: int
@@ -61,10 +63,31 @@ class KernelSet:
     buckets: tuple[int, ...]
     configs: tuple[KernelConfig, ...]
 
+    def bucket_index(self, num_tokens: int) -> int:
+        """The smallest bucket >= num_tokens (the largest bucket beyond it)."""
+        return min(bisect.bisect_left(self.buckets, num_tokens), len(self.buckets) - 1)
+
     def config_for(self, num_tokens: int) -> KernelConfig:
-        """The config of the smallest bucket >= num_tokens (the largest bucket beyond it)."""
-        index = min(bisect.bisect_left(self.buckets, num_tokens), len(self.buckets) - 1)
-        return self.configs[index]
+        return self.configs[self.bucket_index(num_tokens)]
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
+    """Launch settings of the single-program routing kernel, sized by the batch's bucket so that
+    a handful of compiled variants serve all batches: a decode token is not padded to 16."""
+    bucket = max(1, min(ks.buckets[ks.bucket_index(num_tokens)], ROUTE_ALIGN_MAX_TOKENS))
+    slots = _pow2_at_least(bucket * ks.top_k)
+    return dict(BLOCK_T=min(16, _pow2_at_least(bucket)), BLOCK_S=max(16, min(64, slots)), num_warps=4)
+
+
+def multi_route_launch(ks: KernelSet) -> tuple[dict, dict]:
+    """(count, place) launch settings: one-hot tiles of about _ROUTE_TILE elements."""
+    experts = _pow2_at_least(ks.num_experts)
+    tokens = max(1, min(64, _ROUTE_TILE // (_pow2_at_least(ks.top_k) * experts)))
+    return dict(BLOCK_T=tokens, num_warps=4), dict(BLOCK_S=max(16, min(256, _ROUTE_TILE // experts)), num_warps=4)
 
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype], device):
@@ -150,27 +173,33 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
 def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int):
     """(flat top-k weights [T*k] float32, Alignment) for router logits [T, E]."""
     num_tokens, device = router_logits.shape[0], router_logits.device
-    if num_tokens > ROUTE_ALIGN_MAX_TOKENS:
-        weights, ids = route(router_logits, ks.routing, correction_bias)
-        return weights.reshape(-1), align_tokens(ids, ks.num_experts, block_m)
     num_slots = num_tokens * ks.top_k
     max_padded = max_padded_slots(num_slots, ks.num_experts, block_m)
     weights = torch.empty(num_slots, dtype=torch.float32, device=device)
     ids = torch.empty(num_slots, dtype=torch.int32, device=device)
-    aligned = Alignment(
-        sorted_slots=torch.empty(max_padded, dtype=torch.int32, device=device),
-        block_expert=torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
-        num_padded=torch.empty(1, dtype=torch.int32, device=device),
-        max_padded=max_padded,
-    )
     logits = router_logits.contiguous()
     bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
-    ks.route_align[(1,)](
-        logits, bias, weights, ids, aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
-        num_tokens, logits.stride(0), max_padded,
-        BLOCK_M=block_m, **ROUTE_ALIGN_LAUNCH,
-    )
-    return weights, aligned
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    if num_tokens <= ROUTE_ALIGN_MAX_TOKENS:
+        sorted_slots = torch.empty(max_padded, dtype=torch.int32, device=device)
+        ks.route_align[(1,)](
+            logits, bias, weights, ids, sorted_slots, block_expert, num_padded,
+            num_tokens, logits.stride(0), max_padded,
+            BLOCK_M=block_m, **single_route_launch(ks, num_tokens),
+        )
+    else:
+        count_launch, place_launch = multi_route_launch(ks)
+        # Counters and rows in one buffer, filled by one launch (see the kernels' docstring).
+        counts_and_slots = torch.full((ks.num_experts + max_padded,), num_slots, dtype=torch.int32, device=device)
+        counts, sorted_slots = counts_and_slots[:ks.num_experts], counts_and_slots[ks.num_experts:]
+        ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
+        ks.route_count[(_cdiv(num_tokens, count_launch["BLOCK_T"]),)](
+            logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **count_launch)
+        ks.route_place[(_cdiv(num_slots, place_launch["BLOCK_S"]),)](
+            ids, ranks, counts, sorted_slots, block_expert, num_padded, num_slots,
+            BLOCK_M=block_m, **place_launch)
+    return weights, Alignment(sorted_slots, block_expert, num_padded, max_padded)
 
 
 def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correction_bias=None,
