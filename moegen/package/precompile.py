@@ -23,7 +23,8 @@ _GROUP_PREFIX = "__grp__"
 def _mock_launch_args(ks):
     """Arguments with the same types and specializations as the runtime's launches: dtypes
     stand in for tensors (Triton's warmup mocks them), strides and sizes as the runtime passes.
-    The routing kernel's first argument, the logits, is left for the caller to choose."""
+    The routing kernels' first argument, the logits, is left for the caller to choose; the
+    GEMMs' operands that may be tensor descriptors, for _operands()."""
     import torch
 
     h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
@@ -31,18 +32,35 @@ def _mock_launch_args(ks):
     route = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, n, e, n)
     count = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, n, e)
     place = (torch.int32,) * 6 + (n,)
-    gate_up = (ks.dtype, ks.dtype, ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n,
-               h, 2 * i * h, h, i)
-    down = (ks.dtype, ks.dtype, ks.dtype, torch.float32, torch.int32, torch.int32, torch.int32, n, n,
-            i, h * i, i, h)
+    gate_up = (ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n, h, 2 * i * h, h, i)
+    down = (torch.float32, torch.int32, torch.int32, torch.int32, n, n, i, h * i, i, h)
     return route, count, place, gate_up, down
+
+
+def _operands(ks, cfg, use_tma: bool):
+    """(w13 for GEMM1; inter, w2 for GEMM2): dtypes, or mock descriptors shaped as the runtime's."""
+    if not use_tma:
+        return ks.dtype, (ks.dtype, ks.dtype)
+    from triton.runtime.jit import MockTensor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
+
+    def mock(shape, block):
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        return TensorDescriptor(MockTensor(ks.dtype), shape, strides, block)
+
+    return (mock([e, 2 * i, h], [1, cfg.block_n, cfg.block_k]),
+            (mock([1 << 20, i], [cfg.block_m, cfg.down_block_k]), mock([e, h, i], [1, cfg.down_block_n, cfg.down_block_k])))
 
 
 def compile_buckets(ks) -> None:
     """Compile (without launching) every kernel each bucket's config will launch."""
     import torch
 
-    from moegen.runtime.fused import ROUTE_ALIGN_MAX_TOKENS, multi_route_launch, single_route_launch
+    from moegen.runtime.fused import ROUTE_ALIGN_MAX_TOKENS, multi_route_launch, single_route_launch, tma_possible
 
     route, count, place, gate_up, down = _mock_launch_args(ks)
     count_launch, place_launch = multi_route_launch(ks)
@@ -58,10 +76,14 @@ def compile_buckets(ks) -> None:
             for logits_dtype in logits_dtypes:
                 ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,))
             ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, **place_launch, grid=(1,))
-        ks.gate_up.warmup(*gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                          GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,))
-        ks.down_reduce.warmup(*down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-                              GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, num_warps=cfg.down_num_warps,
+        use_tma = cfg.tma and tma_possible(ks)
+        w13, (inter, w2) = _operands(ks, cfg, use_tma)
+        ks.gate_up.warmup(ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          GROUP_M=cfg.group_m, USE_TMA=use_tma, num_warps=cfg.num_warps,
+                          num_stages=cfg.num_stages, grid=(1,))
+        ks.down_reduce.warmup(inter, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
+                              BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
+                              USE_TMA=use_tma, num_warps=cfg.down_num_warps,
                               num_stages=cfg.down_num_stages, grid=(1, 1))
         previous = bucket
 

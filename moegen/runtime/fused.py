@@ -36,13 +36,14 @@ class KernelConfig:
     down_num_warps: int
     down_num_stages: int
     split_k: int = 1
+    tma: bool = False  # weight (and GEMM2 intermediate) tiles through Hopper tensor descriptors
 
     @property
     def key(self) -> str:
-        """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1."""
+        """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma)."""
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
-                f"s{self.down_num_stages}x{self.split_k}")
+                f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else ""))
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,24 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def tma_possible(ks: KernelSet) -> bool:
+    """Whether contiguous weights of this shape can be read through tensor descriptors."""
+    element = torch.empty((), dtype=ks.dtype).element_size()
+    return ks.hidden_size * element % 16 == 0 and ks.intermediate_size * element % 16 == 0
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and strides (but the last, which is 1)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def _descriptor(tensor: torch.Tensor, block_shape: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(tensor, block_shape)
+
+
 def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2):
     num_tokens = hidden_states.shape[0]
     h, i = ks.hidden_size, ks.intermediate_size
@@ -123,21 +142,28 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     inter = torch.empty((aligned.max_padded, i), dtype=ks.dtype, device=hidden_states.device)
     out = torch.empty((num_tokens, h), dtype=ks.dtype, device=hidden_states.device)  # zeroed by GEMM1
     num_m_blocks = aligned.max_padded // cfg.block_m
+    use_tma = cfg.tma and tma_compatible(w13, w2, inter)
+    if use_tma:
+        w13_arg = _descriptor(w13, [1, cfg.block_n, cfg.block_k])
+        w2_arg = _descriptor(w2, [1, cfg.down_block_n, cfg.down_block_k])
+        inter_arg = _descriptor(inter, [cfg.block_m, cfg.down_block_k])
+    else:
+        w13_arg, w2_arg, inter_arg = w13, w2, inter
     ks.gate_up[(num_m_blocks * _cdiv(i, cfg.block_n),)](
-        hidden_states, w13, inter, out,
+        hidden_states, w13_arg, inter, out,
         aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
         num_tokens * ks.top_k, aligned.max_padded, out.numel(),
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     ks.down_reduce[(num_m_blocks * _cdiv(h, cfg.down_block_n), cfg.split_k)](
-        inter, w2, out, weights,
+        inter_arg, w2_arg, out, weights,
         aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
         num_tokens * ks.top_k, aligned.max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
+        SPLIT_K=cfg.split_k, USE_TMA=use_tma, num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
     )
     return out
 

@@ -38,6 +38,8 @@ _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelConfig))
 # Fields added later with a default (e.g. split_k) may be absent from older files.
 _REQUIRED_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelConfig)
                                     if f.default is dataclasses.MISSING)
+_FLAG_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelConfig) if isinstance(f.default, bool))
+_CONFIG_TYPES = {name: bool if name in _FLAG_FIELDS else int for name in _CONFIG_FIELDS}
 
 
 class TuningInputError(MoegenError):
@@ -175,9 +177,11 @@ def validate(data, where) -> dict:
             raise bad(f"bucket {tokens!r} is not '<tokens>': {{...}}")
         config = bucket.get("config")
         if not isinstance(config, dict) or not _REQUIRED_CONFIG_FIELDS <= set(config) <= _CONFIG_FIELDS or \
-                not all(isinstance(v, int) and not isinstance(v, bool) for v in config.values()):
+                not all(isinstance(v, _CONFIG_TYPES[k]) and (k in _FLAG_FIELDS or not isinstance(v, bool))
+                        for k, v in config.items()):
             raise bad(f"bucket {tokens}: config is not integer fields {sorted(_REQUIRED_CONFIG_FIELDS)} "
-                      f"(optionally {sorted(_CONFIG_FIELDS - _REQUIRED_CONFIG_FIELDS)})")
+                      f"(optionally {sorted(_CONFIG_FIELDS - _REQUIRED_CONFIG_FIELDS - _FLAG_FIELDS)} and "
+                      f"true/false {sorted(_FLAG_FIELDS)})")
         if not _number(bucket.get("time_us"), False) or not all(
                 _number(bucket.get(k), True) for k in ("default_time_us", "floor_pct")):
             raise bad(f"bucket {tokens}: time_us, default_time_us or floor_pct is not a number")

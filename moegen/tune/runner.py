@@ -184,7 +184,12 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 step, _ = search.best_of(gate_up)
                 down = space.down_candidates(step, ir.signature, gpu)
                 step, step_time = search.best_of(down)
-                tried += len(gate_up) + len(down)
+                tma = space.tma_candidates(step, ir.signature, gpu)
+                if tma:
+                    tma_step, tma_time = search.best_of(tma)
+                    if tma_time < step_time:
+                        step, step_time = tma_step, tma_time
+                tried += len(gate_up) + len(down) + len(tma)
                 if step_time < best_time:
                     best, best_time = step, step_time
                 log(f"  bucket {index}/{len(todo)} T={tokens}: block_m={start.block_m} done, "

@@ -10,21 +10,28 @@ from moegen.plan.configs import default_config, pow2_at_least, violation
 from moegen.runtime.fused import KernelConfig
 from moegen.target import GpuTarget
 
-# (block_n, block_k, num_warps, num_stages) of GEMM1, by regime.
+# (block_n, block_k, num_warps, num_stages) of GEMM1, by regime: few rows per block (weights
+# streamed, memory-bound), a middle one, many rows (compute-bound).
 GATE_UP_MEMORY = ((32, 128, 4, 4), (64, 128, 4, 4), (64, 64, 4, 6), (128, 128, 4, 3), (32, 256, 4, 3),
                   (64, 256, 4, 3), (128, 64, 4, 4))
+GATE_UP_MIDDLE = ((128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 4, 3))
 GATE_UP_COMPUTE = ((64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 3),
                    (64, 64, 8, 5), (128, 32, 4, 5))
 # (down_block_n, down_block_k, num_warps, num_stages, split_k) of GEMM2, by regime.
 DOWN_MEMORY = ((64, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 4, 2), (32, 256, 4, 3, 2),
                (128, 128, 4, 3, 1), (64, 64, 4, 6, 4), (32, 128, 4, 4, 4))
+DOWN_MIDDLE = ((256, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 128, 4, 3, 1), (256, 64, 8, 3, 1))
 DOWN_COMPUTE = ((128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128, 128, 8, 3, 1),
                 (256, 64, 8, 3, 1), (64, 64, 4, 5, 1))
+GATE_UP_VARIANTS = {16: GATE_UP_MEMORY, 32: GATE_UP_MEMORY, 64: GATE_UP_MIDDLE, 128: GATE_UP_COMPUTE}
+DOWN_VARIANTS = {16: DOWN_MEMORY, 32: DOWN_MEMORY, 64: DOWN_MIDDLE, 128: DOWN_COMPUTE}
 
 
 def block_m_candidates(default: KernelConfig) -> tuple[int, ...]:
-    """The default row block and the one below it (fewer padding rows, more programs)."""
-    return tuple(sorted({default.block_m, max(16, default.block_m // 2)}))
+    """The default row block and the one above it (fewer, fuller programs: measured best at
+    T=512 for many small experts), and for large blocks the one below (less padding)."""
+    bm = default.block_m
+    return tuple(sorted({bm, min(128, 2 * bm)} | ({bm // 2} if bm >= 64 else set())))
 
 
 def _clamp(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
@@ -44,16 +51,26 @@ def _keep(configs, signature: KernelSignature, target: GpuTarget) -> list[Kernel
 
 
 def gate_up_candidates(base: KernelConfig, signature, target) -> list[KernelConfig]:
-    variants = GATE_UP_MEMORY if base.block_m <= 32 else GATE_UP_COMPUTE
     return _keep([base] + [replace(base, block_n=n, block_k=k, num_warps=w, num_stages=s)
-                           for n, k, w, s in variants], signature, target)
+                           for n, k, w, s in GATE_UP_VARIANTS[base.block_m]], signature, target)
 
 
 def down_candidates(base: KernelConfig, signature, target) -> list[KernelConfig]:
-    variants = DOWN_MEMORY if base.block_m <= 32 else DOWN_COMPUTE
     return _keep([base] + [replace(base, down_block_n=n, down_block_k=k, down_num_warps=w,
                                    down_num_stages=s, split_k=x)
-                           for n, k, w, s, x in variants], signature, target)
+                           for n, k, w, s, x in DOWN_VARIANTS[base.block_m]], signature, target)
+
+
+def tma_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
+    """The best pointer-load config read through tensor descriptors, as is and one stage deeper
+    (the descriptors free the registers the address arithmetic held). Only where the weights'
+    rows are 16-byte aligned and the GPU has the copy engine (Hopper on) or is the interpreter."""
+    aligned = all(d * signature.element_bytes % 16 == 0 for d in (signature.hidden_size, signature.intermediate_size))
+    if not aligned or not (target.arch >= 90 or target.arch == 0):
+        return []
+    tma = replace(base, tma=True)
+    deeper = replace(tma, num_stages=tma.num_stages + 1, down_num_stages=tma.down_num_stages + 1)
+    return _keep([tma, deeper], signature, target)
 
 
 def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
