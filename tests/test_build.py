@@ -156,13 +156,15 @@ def test_precompiled_kernels_install_into_tritons_cache(tmp_path):
     assert install(tmp_path / "no-package") == 0
 
 
-def test_precompiled_launches_match_the_runtimes(package_factory):
+@pytest.mark.parametrize("tma", [False, True])
+def test_precompiled_launches_match_the_runtimes(package_factory, tma):
     """compile_buckets must specialize each kernel exactly as the runtime launches it (same
-    tensor dtypes, same non-token integers, same meta-parameters), or the first call after
-    import would compile after all."""
+    tensor dtypes, tensor descriptors of the same dtype and block, same non-token integers, same
+    meta-parameters), or the first call after import would compile after all."""
     import dataclasses
 
     import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from moegen.package.precompile import compile_buckets
     from moegen.reference import separated_router_logits
@@ -183,11 +185,14 @@ def test_precompiled_launches_match_the_runtimes(package_factory):
         def warmup(self, *args, grid, **kwargs):
             warmed.append((self.name, args, kwargs))
 
-    ks = pkg.KERNELS
-    recorded = dataclasses.replace(ks, **{name: Recorder(name, getattr(ks, name))
-                                          for name in ("route_align", "gate_up", "down_reduce")})
     from moegen.runtime import fused
 
+    ks = pkg.KERNELS
+    recorded = dataclasses.replace(ks, **{name: Recorder(name, getattr(ks, name))
+                                          for name in ("route_align", "route_count", "route_place", "gate_up",
+                                                       "down_reduce")},
+                                   configs=tuple(dataclasses.replace(c, tma=tma) for c in ks.configs))
+    assert max(ks.buckets) > fused.ROUTE_ALIGN_MAX_TOKENS >= min(ks.buckets)  # both routing paths
     for tokens in ks.buckets:
         x = torch.randn(tokens, 40)
         fused.fused_moe(recorded, x, separated_router_logits(tokens, ks.routing), torch.randn(6, 48, 40),
@@ -199,7 +204,14 @@ def test_precompiled_launches_match_the_runtimes(package_factory):
         name, args, kwargs = run
         if name != warm[0] or kwargs != warm[2] or len(args) != len(warm[1]):
             return False
-        return all(w == (a.dtype if isinstance(a, torch.Tensor) else a) or w == token_dependent
-                   for a, w in zip(args, warm[1]))
+        return all(same_argument(a, w) for a, w in zip(args, warm[1]))
+
+    def same_argument(run, warm) -> bool:
+        if isinstance(run, TensorDescriptor):
+            return isinstance(warm, TensorDescriptor) and (run.base.dtype, run.block_shape) == (
+                warm.base.dtype, warm.block_shape)
+        return warm == (run.dtype if isinstance(run, torch.Tensor) else run) or warm == token_dependent
 
     assert launched and all(any(matches(run, warm) for warm in warmed) for run in launched)
+    assert {name for name, _, _ in launched} == {"route_align", "route_count", "route_place", "gate_up", "down_reduce"}
+    assert any(isinstance(a, TensorDescriptor) for _, args, _ in launched for a in args) == tma

@@ -56,8 +56,17 @@ def _operands(ks, cfg, use_tma: bool):
             (mock([1 << 20, i], [cfg.block_m, cfg.down_block_k]), mock([e, h, i], [1, cfg.down_block_n, cfg.down_block_k])))
 
 
-def compile_buckets(ks) -> None:
-    """Compile (without launching) every kernel each bucket's config will launch."""
+def _with_launcher(compiled) -> None:
+    """Build the host-side launcher of a compiled kernel too (Triton compiles one C module per
+    argument signature, ~0.5 s, on a kernel's first launch) so that it lands in the same cache."""
+    if compiled is not None:
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        compiled.run  # noqa: B018 - the property loads the binary and builds the launcher
+
+
+def compile_buckets(ks, launchers: bool = False) -> None:
+    """Compile (without launching) every kernel each bucket's config will launch; with
+    ``launchers`` (on the GPU) their launchers as well."""
     import torch
 
     from moegen.runtime.fused import ROUTE_ALIGN_MAX_TOKENS, multi_route_launch, single_route_launch, tma_possible
@@ -66,26 +75,29 @@ def compile_buckets(ks) -> None:
     count_launch, place_launch = multi_route_launch(ks)
     # Router logits come in the model's dtype (MoELayer) or float32: compile both.
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
-    previous = 0
+    compiled, previous = [], 0
     for bucket, cfg in zip(ks.buckets, ks.configs):
         if previous < ROUTE_ALIGN_MAX_TOKENS:  # some of this bucket's batches are routed by one program
             for logits_dtype in logits_dtypes:
-                ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m,
-                                      **single_route_launch(ks, bucket), grid=(1,))
+                compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m,
+                                                      **single_route_launch(ks, bucket), grid=(1,)))
         if bucket > ROUTE_ALIGN_MAX_TOKENS:  # and some by the multi-program pair
             for logits_dtype in logits_dtypes:
-                ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,))
-            ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, **place_launch, grid=(1,))
+                compiled.append(ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,)))
+            compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, **place_launch, grid=(1,)))
         use_tma = cfg.tma and tma_possible(ks)
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
-        ks.gate_up.warmup(ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                          GROUP_M=cfg.group_m, USE_TMA=use_tma, num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages, grid=(1,))
-        ks.down_reduce.warmup(inter, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
-                              BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k,
-                              USE_TMA=use_tma, num_warps=cfg.down_num_warps,
-                              num_stages=cfg.down_num_stages, grid=(1, 1))
+        compiled.append(ks.gate_up.warmup(
+            ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,)))
+        compiled.append(ks.down_reduce.warmup(
+            inter, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
+            BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, USE_TMA=use_tma,
+            num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages, grid=(1, 1)))
         previous = bucket
+    if launchers:
+        for kernel in compiled:
+            _with_launcher(kernel)
 
 
 def precompiled_files(package_folder: Path) -> dict[str, bytes]:
@@ -97,7 +109,7 @@ def precompiled_files(package_folder: Path) -> dict[str, bytes]:
 
     with tempfile.TemporaryDirectory(prefix="moegen-precompile-") as cache, triton.knobs.cache.scope():
         triton.knobs.cache.dir = cache
-        compile_buckets(load_package(package_folder).KERNELS)
+        compile_buckets(load_package(package_folder).KERNELS, launchers=True)
         files = {}
         for path in sorted(Path(cache).rglob("*")):
             if not path.is_file() or path.name.startswith("tmp."):
