@@ -11,10 +11,10 @@ import torch
 
 from moegen import knobs
 from moegen.runtime.align import Alignment, align_tokens, max_padded_slots
-from moegen.runtime.routing import RoutingParams, route
+from moegen.runtime.routing import RoutingParams
 
 # Batches up to this size are routed and aligned by the single-program kernel (one launch);
-# larger ones by the multi-program pair (two launches and two fills, but parallel).
+# larger ones by the multi-program pair (two launches after one fill, but parallel).
 ROUTE_ALIGN_MAX_TOKENS = knobs.route_align_max_tokens()
 # Elements of the [rows, experts] one-hot tiles one routing program holds at a time.
 _ROUTE_TILE = 8192
