@@ -74,3 +74,52 @@ def test_tuning_on_another_gpu_than_the_target_is_refused(tmp_path, monkeypatch,
     spec = REPO / "specs" / "tiny.yaml"  # targets the H200
     assert cli.main(["build", str(spec), "--tune", "-o", str(tmp_path)]) == 2
     assert "targets NVIDIA H200" in capsys.readouterr().err
+
+
+def _target(alias: str):
+    from moegen.target import lookup_gpu
+
+    return lookup_gpu(alias)
+
+
+SPACE_CASES = [  # (spec, tokens): decode, middle and prefill row blocks of the shipped shapes
+    ("mixtral-8x7b", 1), ("mixtral-8x7b", 512), ("qwen3-30b-a3b", 512), ("olmoe-1b-7b", 4096),
+    ("deepseek-v3", 64), ("deepseek-v3", 16384),
+]
+
+
+@pytest.mark.parametrize("spec,tokens", SPACE_CASES)
+def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
+    """Every candidate fits the GPU's limits and is distinct; the row blocks include the
+    default's; descriptor variants appear on Hopper for 16-byte aligned rows, never before it."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config, violation
+    from moegen.spec import load_spec
+    from moegen.tune import space
+
+    path = REPO / "specs" / f"{spec}.yaml"
+    sig = lower(load_spec(path), path).signature
+    for gpu_name, has_tma in (("h200", True), ("a100", False)):
+        gpu = _target(gpu_name)
+        starts = space.starting_points(sig, gpu, tokens)
+        assert default_config(sig, gpu, tokens).block_m in {s.block_m for s in starts}
+        for start in starts:
+            gate_up = space.gate_up_candidates(start, sig, gpu)
+            down = space.down_candidates(gate_up[-1], sig, gpu)
+            tma = space.tma_candidates(down[-1], sig, gpu)
+            for group in (gate_up, down, tma):
+                assert len(set(group)) == len(group)
+                assert all(violation(c, sig, gpu) is None for c in group)
+            assert bool(tma) == has_tma and all(c.tma for c in tma)
+            assert not any(c.tma for c in gate_up + down)
+
+
+def test_descriptor_variants_need_aligned_rows():
+    from moegen.ir import KernelSignature
+    from moegen.plan.configs import default_config
+    from moegen.tune import space
+
+    gpu = _target("h200")
+    odd = KernelSignature(hidden_size=100, intermediate_size=36, num_experts=8, top_k=2, activation="silu",
+                          dtype="bfloat16")  # 200-byte rows, 72-byte rows: not 16-byte aligned
+    assert space.tma_candidates(default_config(odd, gpu, 1), odd, gpu) == []
