@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from moegen.ir import KernelSignature
 from moegen.plan.cost_model import bucket_cost
-from moegen.runtime.fused import KernelConfig
+from moegen.runtime.fused import KernelConfig, tma_rows_aligned
 from moegen.target import GpuTarget
 
 # fp32 accumulator values one thread may hold before the compiler spills (of 255 registers).
@@ -49,10 +49,23 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
     return None
 
 
+def descriptors_possible(signature: KernelSignature, target: GpuTarget) -> bool:
+    """Tensor descriptors need 16-byte aligned weight rows and Hopper's copy engine (or the
+    interpreter, which emulates them)."""
+    aligned = tma_rows_aligned(signature.hidden_size, signature.intermediate_size, signature.element_bytes)
+    return aligned and (target.arch >= 90 or target.arch == 0)
+
+
+def descriptors_pay_off(signature: KernelSignature, target: GpuTarget) -> bool:
+    """Default to descriptors where they were measured to pay (Hopper), not in the interpreter."""
+    return descriptors_possible(signature, target) and target.arch >= 90
+
+
 def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -> KernelConfig:
     """Row blocks just cover the expected tokens per expert; memory-bound (few tokens) shapes
     get narrow N tiles and deep K tiles so enough CTAs stream the weights, compute-bound ones
-    get large tiles."""
+    get large tiles. The 64- and 128-row configs, read through tensor descriptors on Hopper, are
+    the ones the H200 tuning runs chose most often for those row blocks (docs/PERFORMANCE.md)."""
     cost = bucket_cost(signature, target, tokens)
     tokens_per_expert = tokens * signature.top_k / max(cost.experts_touched, 1.0)
     block_m = min(max(pow2_at_least(tokens_per_expert), 16), 128)
@@ -61,13 +74,13 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -
                               num_stages=4, down_block_n=64, down_block_k=128, down_num_warps=4,
                               down_num_stages=4)
     elif block_m == 64:
-        config = KernelConfig(block_m=64, group_m=8, block_n=64, block_k=64, num_warps=4,
+        config = KernelConfig(block_m=64, group_m=8, block_n=128, block_k=64, num_warps=4,
                               num_stages=4, down_block_n=128, down_block_k=64, down_num_warps=4,
-                              down_num_stages=4)
+                              down_num_stages=4, tma=descriptors_pay_off(signature, target))
     else:
         config = KernelConfig(block_m=128, group_m=8, block_n=128, block_k=64, num_warps=8,
-                              num_stages=3, down_block_n=128, down_block_k=64, down_num_warps=8,
-                              down_num_stages=3)
+                              num_stages=4, down_block_n=128, down_block_k=64, down_num_warps=8,
+                              down_num_stages=3, tma=descriptors_pay_off(signature, target))
     # Tiles never wider than the (power-of-two rounded) dimension they cover.
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
     config = replace(config, block_n=max(16, min(config.block_n, i)), block_k=max(16, min(config.block_k, h)),

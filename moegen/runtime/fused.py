@@ -117,10 +117,14 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def tma_rows_aligned(hidden_size: int, intermediate_size: int, element_bytes: int) -> bool:
+    """Whether contiguous weights of this shape can be read through tensor descriptors: every
+    row (H or I elements) must span a multiple of 16 bytes."""
+    return hidden_size * element_bytes % 16 == 0 and intermediate_size * element_bytes % 16 == 0
+
+
 def tma_possible(ks: KernelSet) -> bool:
-    """Whether contiguous weights of this shape can be read through tensor descriptors."""
-    element = torch.empty((), dtype=ks.dtype).element_size()
-    return ks.hidden_size * element % 16 == 0 and ks.intermediate_size * element % 16 == 0
+    return tma_rows_aligned(ks.hidden_size, ks.intermediate_size, torch.empty((), dtype=ks.dtype).element_size())
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:

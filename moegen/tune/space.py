@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.plan.configs import default_config, pow2_at_least, violation
+from moegen.plan.configs import default_config, descriptors_possible, pow2_at_least, violation
 from moegen.runtime.fused import KernelConfig
 from moegen.target import GpuTarget
 
@@ -62,15 +62,13 @@ def down_candidates(base: KernelConfig, signature, target) -> list[KernelConfig]
 
 
 def tma_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
-    """The best pointer-load config read through tensor descriptors, as is and one stage deeper
-    (the descriptors free the registers the address arithmetic held). Only where the weights'
-    rows are 16-byte aligned and the GPU has the copy engine (Hopper on) or is the interpreter."""
-    aligned = all(d * signature.element_bytes % 16 == 0 for d in (signature.hidden_size, signature.intermediate_size))
-    if not aligned or not (target.arch >= 90 or target.arch == 0):
+    """The best config so far with the other way of reading the weights, and its descriptor
+    version one stage deeper (descriptors free the registers the address arithmetic held)."""
+    if not descriptors_possible(signature, target):
         return []
     tma = replace(base, tma=True)
     deeper = replace(tma, num_stages=tma.num_stages + 1, down_num_stages=tma.down_num_stages + 1)
-    return _keep([tma, deeper], signature, target)
+    return [c for c in _keep([replace(base, tma=not base.tma), deeper], signature, target) if c != base]
 
 
 def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
