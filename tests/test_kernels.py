@@ -141,6 +141,7 @@ def test_routing_matches_reference(case, package_factory):
 ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "float16"] + [
     Case("many_experts_top8", 21, dict(BASE, num_experts=20, top_k=8)),
     Case("grouped_wide", 40, dict(GROUPED, num_experts=32, top_k=6, n_group=8, topk_group=3)),
+    Case("deepseek_v3_routing", 37, dict(GROUPED, num_experts=256, top_k=8, n_group=8, topk_group=4)),
 ]
 
 
