@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from moegen import reference as ref
+from moegen.tune.bench import capture_graph
 
 pytestmark = [
     pytest.mark.gpu,
@@ -347,16 +348,7 @@ def test_cuda_graph_decode_step(spec, tokens, models):
     def step():
         return model.pkg.fused_moe(static_x, static_logits, model.w13, model.w2, correction_bias=static_bias)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compiles the kernels outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    torch.cuda.synchronize()
+    graph, static_out = capture_graph(step, warmups=3)
 
     for round_ in (1, 2):  # two rounds: replays must not return a stale result
         x, logits, bias = draw(round_)

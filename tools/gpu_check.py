@@ -179,21 +179,6 @@ class Timer:
         return statistics.median(self.samples(fn, reps))
 
 
-def capture_graph(torch, fn: Callable):
-    """Warm up on a side stream (compiles every kernel), then capture one call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 # ---------------------------------------------------------------------------------------------
 # Step 2: ceilings
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +355,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     cold = Cold(spec_name, build_s, precompiled, import_ms, first_ms, second_ms)
 
     from moegen.runtime.routing import route
+    from moegen.tune.bench import capture_graph
     naive_moe, grouped_mm_moe = make_peers(torch, route)
     rows = []
     for t in args.token_list:
@@ -408,7 +394,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
             timed, graph = fn, None
             if timer.cuda and name != "naive":
                 try:
-                    graph, _ = capture_graph(torch, fn)
+                    graph, _ = capture_graph(fn, warmups=2)
                     timed, res.graph = graph.replay, True
                 except Exception as exc:  # noqa: BLE001
                     res.note = "eager: graph capture failed"

@@ -46,7 +46,7 @@ def _operands(ks, cfg, use_tma: bool):
 
     h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
 
-    def mock(shape, block):
+    def mock(shape, block):  # contiguous strides (MockTensor.stride() gets them wrong beyond 2-D)
         strides = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
             strides[d] = strides[d + 1] * shape[d + 1]

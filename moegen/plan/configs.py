@@ -6,18 +6,11 @@ from dataclasses import replace
 
 from moegen.ir import KernelSignature
 from moegen.plan.cost_model import bucket_cost
-from moegen.runtime.fused import KernelConfig, tma_rows_aligned
+from moegen.runtime.fused import KernelConfig, pow2_at_least, tma_rows_aligned
 from moegen.target import GpuTarget
 
 # fp32 accumulator values one thread may hold before the compiler spills (of 255 registers).
 MAX_ACCUMULATORS_PER_THREAD = 128
-
-
-def pow2_at_least(x: float) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
 
 
 def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:

@@ -72,22 +72,25 @@ class KernelSet:
         return self.configs[self.bucket_index(num_tokens)]
 
 
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
+def pow2_at_least(x: float) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
 
 
 def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
     """Launch settings of the single-program routing kernel, sized by the batch's bucket so that
     a handful of compiled variants serve all batches: a decode token is not padded to 16."""
     bucket = max(1, min(ks.buckets[ks.bucket_index(num_tokens)], ROUTE_ALIGN_MAX_TOKENS))
-    slots = _pow2_at_least(bucket * ks.top_k)
-    return dict(BLOCK_T=min(16, _pow2_at_least(bucket)), BLOCK_S=max(16, min(64, slots)), num_warps=4)
+    slots = pow2_at_least(bucket * ks.top_k)
+    return dict(BLOCK_T=min(16, pow2_at_least(bucket)), BLOCK_S=max(16, min(64, slots)), num_warps=4)
 
 
 def multi_route_launch(ks: KernelSet) -> tuple[dict, dict]:
     """(count, place) launch settings: one-hot tiles of about _ROUTE_TILE elements."""
-    experts = _pow2_at_least(ks.num_experts)
-    tokens = max(1, min(64, _ROUTE_TILE // (_pow2_at_least(ks.top_k) * experts)))
+    experts = pow2_at_least(ks.num_experts)
+    tokens = max(1, min(64, _ROUTE_TILE // (pow2_at_least(ks.top_k) * experts)))
     return dict(BLOCK_T=tokens, num_warps=4), dict(BLOCK_S=max(16, min(256, _ROUTE_TILE // experts)), num_warps=4)
 
 

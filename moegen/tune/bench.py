@@ -20,16 +20,25 @@ def time_cpu(fn: Callable[[], object], repeats: int = 3) -> float:
     return statistics.median(samples)
 
 
-def time_cuda_graph(fn: Callable[[], object], target_ms: float = 25.0, repeats: int = 5) -> float:
-    """Median microseconds per call of fn, captured once in a CUDA graph and replayed."""
+def capture_graph(fn: Callable[[], object], warmups: int = 1):
+    """(graph, output) of one call of fn captured in a CUDA graph, after warm-up calls on a side
+    stream (compilation and allocation happen there, outside the capture)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # warm-up outside the graph: compilation, allocator
+        for _ in range(warmups):
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def time_cuda_graph(fn: Callable[[], object], target_ms: float = 25.0, repeats: int = 5) -> float:
+    """Median microseconds per call of fn, captured once in a CUDA graph and replayed."""
+    graph, _ = capture_graph(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
