@@ -111,6 +111,34 @@ def test_tensor_descriptor_path(case, split_k, package_factory):
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
 
 
+DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
+    Case("decode_all_on_one_expert", 9, BASE, routing="one_expert"),
+    Case("decode_sixteen_tokens", 16, dict(BASE, num_experts=9, top_k=4)),
+]
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
+def test_decode_kernel(case, tma, package_factory):
+    """The one-launch decode path: routing in every program, distinct experts found per batch,
+    slices of I not dividing I, output chunks not dividing H; then a second call, which must
+    find the workspace zeroed again."""
+    from dataclasses import replace
+
+    from moegen.runtime.fused import fused_moe
+
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
+    config = replace(pkg.KERNELS.config_for(case.tokens), tma=tma, decode_block_n=16, decode_block_k=32,
+                     decode_block_h=32, decode_num_warps=4, decode_num_stages=2)
+    for _ in range(2):
+        x, logits, w13, w2, bias = _inputs(case, pkg, generator)
+        out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
+        expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.tokens > 0][:6], ids=lambda c: c.name)
 def test_fused_experts_with_caller_routing(case, package_factory):
     pkg = package_factory(**case.model)

@@ -34,26 +34,39 @@ def _mock_launch_args(ks):
     place = (torch.int32,) * 6 + (n,)
     gate_up = (ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n, h, 2 * i * h, h, i)
     down = (torch.float32, torch.int32, torch.int32, torch.int32, n, n, i, h * i, i, h)
-    return route, count, place, gate_up, down
+    decode = (torch.float32, n, e, h, 2 * i * h, h, h * i, i)  # after logits, bias, x, w13, w2
+    return route, count, place, gate_up, down, decode
+
+
+def _mock_descriptor(dtype, shape: list[int], block: list[int]):
+    """A tensor descriptor of a contiguous tensor, as the runtime builds (MockTensor.stride() is
+    wrong beyond 2-D, so the strides are spelled out)."""
+    from triton.runtime.jit import MockTensor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return TensorDescriptor(MockTensor(dtype), shape, strides, block)
 
 
 def _operands(ks, cfg, use_tma: bool):
     """(w13 for GEMM1; inter, w2 for GEMM2): dtypes, or mock descriptors shaped as the runtime's."""
     if not use_tma:
         return ks.dtype, (ks.dtype, ks.dtype)
-    from triton.runtime.jit import MockTensor
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    h, i, e, d = ks.hidden_size, ks.intermediate_size, ks.num_experts, ks.dtype
+    return (_mock_descriptor(d, [e, 2 * i, h], [1, cfg.block_n, cfg.block_k]),
+            (_mock_descriptor(d, [1 << 20, i], [cfg.block_m, cfg.down_block_k]),
+             _mock_descriptor(d, [e, h, i], [1, cfg.down_block_n, cfg.down_block_k])))
 
-    h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
 
-    def mock(shape, block):  # contiguous strides (MockTensor.stride() gets them wrong beyond 2-D)
-        strides = [1] * len(shape)
-        for d in range(len(shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * shape[d + 1]
-        return TensorDescriptor(MockTensor(ks.dtype), shape, strides, block)
-
-    return (mock([e, 2 * i, h], [1, cfg.block_n, cfg.block_k]),
-            (mock([1 << 20, i], [cfg.block_m, cfg.down_block_k]), mock([e, h, i], [1, cfg.down_block_n, cfg.down_block_k])))
+def _decode_operands(ks, cfg, use_tma: bool):
+    """(w13, w2) of the decode kernel: dtypes, or mock descriptors shaped as the runtime's."""
+    if not use_tma:
+        return ks.dtype, ks.dtype
+    h, i, e, d = ks.hidden_size, ks.intermediate_size, ks.num_experts, ks.dtype
+    return (_mock_descriptor(d, [e, 2 * i, h], [1, cfg.decode_block_n, cfg.decode_block_k]),
+            _mock_descriptor(d, [e, h, i], [1, cfg.decode_block_h, cfg.decode_block_n]))
 
 
 def _with_launcher(compiled) -> None:
@@ -69,9 +82,11 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     ``launchers`` (on the GPU) their launchers as well."""
     import torch
 
-    from moegen.runtime.fused import ROUTE_ALIGN_MAX_TOKENS, multi_route_launch, single_route_launch, tma_possible
+    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, ROUTE_ALIGN_MAX_TOKENS, decode_block_t,
+                                      multi_route_launch, pdl_supported, single_route_launch, tma_possible)
 
-    route, count, place, gate_up, down = _mock_launch_args(ks)
+    route, count, place, gate_up, down, decode = _mock_launch_args(ks)
+    pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
     count_launch, place_launch = multi_route_launch(ks)
     # Router logits come in the model's dtype (MoELayer) or float32: compile both.
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
@@ -94,6 +109,16 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             inter, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, USE_TMA=use_tma,
             num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages, grid=(1, 1)))
+        if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
+            w13, w2 = _decode_operands(ks, cfg, use_tma)
+            for logits_dtype in logits_dtypes:
+                compiled.append(ks.decode.warmup(
+                    logits_dtype, torch.float32, ks.dtype, w13, w2, *decode,
+                    BLOCK_T=decode_block_t(ks, bucket), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+                    BLOCK_H=cfg.decode_block_h, USE_TMA=use_tma, USE_PDL=pdl, num_warps=cfg.decode_num_warps,
+                    num_stages=cfg.decode_num_stages, grid=(1, 1)))
+            compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
+                                                    USE_PDL=pdl, num_warps=4, launch_pdl=pdl, grid=(1,)))
         previous = bucket
     if launchers:
         for kernel in compiled:

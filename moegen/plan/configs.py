@@ -6,11 +6,16 @@ from dataclasses import replace
 
 from moegen.ir import KernelSignature
 from moegen.plan.cost_model import bucket_cost
-from moegen.runtime.fused import KernelConfig, pow2_at_least, tma_rows_aligned
+from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, pow2_at_least, tma_rows_aligned
 from moegen.target import GpuTarget
 
 # fp32 accumulator values one thread may hold before the compiler spills (of 255 registers).
 MAX_ACCUMULATORS_PER_THREAD = 128
+# Batches this small default to the one-launch decode kernel, with the tile that was best or
+# within 3% of it at one token for all four H200-tuned shapes (docs/PERFORMANCE.md).
+DECODE_DEFAULT_MAX_TOKENS = 4
+DECODE_DEFAULT = dict(decode_block_n=64, decode_block_k=128, decode_block_h=256, decode_num_warps=4,
+                      decode_num_stages=3)
 
 
 def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
@@ -20,6 +25,13 @@ def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
 
 def down_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
     return c.down_num_stages * (c.block_m * c.down_block_k + c.down_block_k * c.down_block_n) * element_bytes
+
+
+def decode_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
+    """The decode kernel pipelines GEMM1 (16 rows, two B tiles) and then GEMM2's W2 tiles; the
+    second loop reuses the first one's buffers."""
+    gate_up = 16 * c.decode_block_k + 2 * c.decode_block_k * c.decode_block_n
+    return c.decode_num_stages * max(gate_up, c.decode_block_h * c.decode_block_n) * element_bytes
 
 
 def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) -> str | None:
@@ -39,6 +51,13 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return "tile wider than the dimension it covers"
     if c.split_k > 1 and (signature.intermediate_size + c.down_block_k - 1) // c.down_block_k < 2 * c.split_k:
         return "split-K finer than two K steps per split"
+    if c.decode_block_n:
+        if decode_smem_bytes(c, b) > limit:
+            return f"decode shared memory {decode_smem_bytes(c, b)} > {limit}"
+        if 16 * (2 * c.decode_block_n + c.decode_block_h) > MAX_ACCUMULATORS_PER_THREAD * 32 * c.decode_num_warps:
+            return "decode accumulators exceed the register file"
+        if c.decode_block_n > max(16, i) or c.decode_block_k > max(16, h) or c.decode_block_h > max(16, h):
+            return "decode tile wider than the dimension it covers"
     return None
 
 
@@ -52,6 +71,17 @@ def descriptors_possible(signature: KernelSignature, target: GpuTarget) -> bool:
 def descriptors_pay_off(signature: KernelSignature, target: GpuTarget) -> bool:
     """Default to descriptors where they were measured to pay (Hopper), not in the interpreter."""
     return descriptors_possible(signature, target) and target.arch >= 90
+
+
+def clamp_tiles(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
+    """Tiles never wider than the (power-of-two rounded) dimension they cover, nor below 16."""
+    h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
+    c = replace(c, block_n=max(16, min(c.block_n, i)), block_k=max(16, min(c.block_k, h)),
+                down_block_n=max(16, min(c.down_block_n, h)), down_block_k=max(16, min(c.down_block_k, i)))
+    if not c.decode_block_n:
+        return c
+    return replace(c, decode_block_n=max(16, min(c.decode_block_n, i)), decode_block_k=max(16, min(c.decode_block_k, h)),
+                   decode_block_h=max(16, min(c.decode_block_h, h)))
 
 
 def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -> KernelConfig:
@@ -74,13 +104,13 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -
         config = KernelConfig(block_m=128, group_m=8, block_n=128, block_k=64, num_warps=8,
                               num_stages=4, down_block_n=128, down_block_k=64, down_num_warps=8,
                               down_num_stages=3, tma=descriptors_pay_off(signature, target))
-    # Tiles never wider than the (power-of-two rounded) dimension they cover.
-    h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
-    config = replace(config, block_n=max(16, min(config.block_n, i)), block_k=max(16, min(config.block_k, h)),
-                     down_block_n=max(16, min(config.down_block_n, h)),
-                     down_block_k=max(16, min(config.down_block_k, i)))
+    if tokens <= min(DECODE_DEFAULT_MAX_TOKENS, DECODE_MAX_TOKENS):
+        config = replace(config, tma=descriptors_pay_off(signature, target), **DECODE_DEFAULT)
+    config = clamp_tiles(config, signature)
     # Shrink pipelining until the stages fit shared memory (fp32 tiles are twice as large).
-    while violation(config, signature, target) and min(config.num_stages, config.down_num_stages) > 1:
+    while violation(config, signature, target) and min(config.num_stages, config.down_num_stages,
+                                                        config.decode_num_stages) > 1:
         config = replace(config, num_stages=max(1, config.num_stages - 1),
-                         down_num_stages=max(1, config.down_num_stages - 1))
+                         down_num_stages=max(1, config.down_num_stages - 1),
+                         decode_num_stages=max(1, config.decode_num_stages - 1))
     return config

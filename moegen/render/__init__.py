@@ -14,8 +14,9 @@ from moegen import knobs
 ROUTE_ALIGN_TEMPLATE = "moe_route_align.py.jinja"
 GATE_UP_TEMPLATE = "moe_gate_up.py.jinja"
 DOWN_TEMPLATE = "moe_down_reduce.py.jinja"
+DECODE_TEMPLATE = "moe_decode.py.jinja"
 # The templates whose text shapes the compiled kernels (and so the tuning results).
-KERNEL_TEMPLATES = (ROUTE_ALIGN_TEMPLATE, GATE_UP_TEMPLATE, DOWN_TEMPLATE)
+KERNEL_TEMPLATES = (ROUTE_ALIGN_TEMPLATE, GATE_UP_TEMPLATE, DOWN_TEMPLATE, DECODE_TEMPLATE)
 
 TORCH_DTYPES = {"bfloat16": "_torch.bfloat16", "float16": "_torch.float16", "float32": "_torch.float32"}
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}

@@ -1,6 +1,6 @@
 """Launch the generated fused-MoE kernels: routing and alignment, GEMM1 (+activation, and zeroing
-the output), GEMM2 (+router weight, top-k reduction by atomic adds). The generated package binds
-a KernelSet and calls these."""
+the output), GEMM2 (+router weight, top-k reduction by atomic adds); or, for a few tokens, the
+one-launch decode kernel and its finish. The generated package binds a KernelSet and calls these."""
 from __future__ import annotations
 
 import bisect
@@ -18,6 +18,10 @@ from moegen.runtime.routing import RoutingParams
 ROUTE_ALIGN_MAX_TOKENS = knobs.route_align_max_tokens()
 # Elements of the [rows, experts] one-hot tiles one routing program holds at a time.
 _ROUTE_TILE = 8192
+# The decode kernel's MMA tile has 16 rows: batches up to this size can take it.
+DECODE_MAX_TOKENS = 16
+# Elements one program of the decode finish (cast and re-zero the workspace) handles.
+DECODE_FINISH_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,22 @@ class KernelConfig:
     down_num_stages: int
     split_k: int = 1
     tma: bool = False  # weight (and GEMM2 intermediate) tiles through Hopper tensor descriptors
+    # The one-launch decode kernel, for batches of at most DECODE_MAX_TOKENS routed by fused_moe
+    # (0: not used): its slice of I, step along H, width of its output chunks, warps, stages.
+    decode_block_n: int = 0
+    decode_block_k: int = 0
+    decode_block_h: int = 0
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
 
     @property
     def key(self) -> str:
-        """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma)."""
+        """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma, + _d...)."""
+        decode = (f"_d{self.decode_block_n}k{self.decode_block_k}h{self.decode_block_h}"
+                  f"w{self.decode_num_warps}s{self.decode_num_stages}" if self.decode_block_n else "")
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
-                f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else ""))
+                f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "") + decode)
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,8 @@ class KernelSet:
     route_place: Callable
     gate_up: Callable
     down_reduce: Callable
+    decode: Callable
+    decode_finish: Callable
     hidden_size: int
     intermediate_size: int
     num_experts: int
@@ -64,12 +79,35 @@ class KernelSet:
     buckets: tuple[int, ...]
     configs: tuple[KernelConfig, ...]
 
+    def __post_init__(self):
+        settle_cache_keys((self.route_align, self.route_count, self.route_place, self.gate_up,
+                           self.down_reduce, self.decode, self.decode_finish))
+
     def bucket_index(self, num_tokens: int) -> int:
         """The smallest bucket >= num_tokens (the largest bucket beyond it)."""
         return min(bisect.bisect_left(self.buckets, num_tokens), len(self.buckets) - 1)
 
     def config_for(self, num_tokens: int) -> KernelConfig:
         return self.configs[self.bucket_index(num_tokens)]
+
+
+def settle_cache_keys(kernels) -> None:
+    """Key every jitted helper the kernels' modules hold, in name order, before the kernels.
+
+    Triton (3.6) folds a called helper's global constants into its caller's cache key only if
+    the helper was keyed first, so the key of kernels sharing a helper (the routing helper:
+    routing kernels and the decode kernel) depends on which kernel a process launches first.
+    Settled at import, keys match the kernels the build compiled and shipped in the package."""
+    from triton.runtime.jit import JITFunction
+
+    scopes = {id(k.__globals__): k.__globals__ for k in kernels if isinstance(k, JITFunction)}
+    for scope in sorted(scopes.values(), key=lambda g: g["__name__"]):
+        for name in sorted(scope):
+            if isinstance(scope[name], JITFunction) and scope[name] not in kernels:
+                scope[name].cache_key  # noqa: B018 - computed and stored by the property
+    for kernel in kernels:
+        if isinstance(kernel, JITFunction):
+            kernel.cache_key  # noqa: B018
 
 
 def pow2_at_least(x: float) -> int:
@@ -85,6 +123,15 @@ def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
     bucket = max(1, min(ks.buckets[ks.bucket_index(num_tokens)], ROUTE_ALIGN_MAX_TOKENS))
     slots = pow2_at_least(bucket * ks.top_k)
     return dict(BLOCK_T=min(16, pow2_at_least(bucket)), BLOCK_S=max(16, min(64, slots)), num_warps=4)
+
+
+def decode_block_t(ks: KernelSet, num_tokens: int) -> int:
+    """Token rows the decode kernel routes: sized by the batch's bucket (few compiled variants)."""
+    return pow2_at_least(min(ks.buckets[ks.bucket_index(num_tokens)], DECODE_MAX_TOKENS))
+
+
+def uses_decode(cfg: KernelConfig, num_tokens: int) -> bool:
+    return cfg.decode_block_n > 0 and num_tokens <= DECODE_MAX_TOKENS
 
 
 def multi_route_launch(ks: KernelSet) -> tuple[dict, dict]:
@@ -235,6 +282,55 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int)
     return weights, Alignment(sorted_slots, block_expert, num_padded, max_padded)
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper and later (not in the interpreter)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def decode_workspace(hidden_size: int, device: torch.device) -> torch.Tensor:
+    """The decode kernel's float32 sums [DECODE_MAX_TOKENS, H]: zero between calls (the finish
+    re-zeroes what it read), so one per device and width serves every call, eager or in a CUDA
+    graph, without a memset. Calls on concurrent streams of one device would share it: moegen
+    issues its MoE calls on one stream per device."""
+    key = (device, hidden_size)
+    work = _workspaces.get(key)
+    if work is None:
+        work = torch.zeros((DECODE_MAX_TOKENS, hidden_size), dtype=torch.float32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return work  # zeroed by a captured memset on every replay; not kept beyond the graph
+        _workspaces[key] = work
+    return work
+
+
+def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2):
+    num_tokens, device = hidden_states.shape[0], hidden_states.device
+    h, i = ks.hidden_size, ks.intermediate_size
+    x, logits, w13, w2 = hidden_states.contiguous(), router_logits.contiguous(), w13.contiguous(), w2.contiguous()
+    work = decode_workspace(h, device)
+    bias = correction_bias.contiguous() if correction_bias is not None else work  # unused pointer
+    out = torch.empty((num_tokens, h), dtype=ks.dtype, device=device)
+    use_tma = cfg.tma and tma_compatible(w13, w2)
+    if use_tma:
+        w13_arg = _descriptor(w13, [1, cfg.decode_block_n, cfg.decode_block_k])
+        w2_arg = _descriptor(w2, [1, cfg.decode_block_h, cfg.decode_block_n])
+    else:
+        w13_arg, w2_arg = w13, w2
+    pdl = pdl_supported(device)
+    ks.decode[(min(num_tokens * ks.top_k, ks.num_experts), _cdiv(i, cfg.decode_block_n))](
+        logits, bias, x, w13_arg, w2_arg, work,
+        num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+        BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+        BLOCK_H=cfg.decode_block_h, USE_TMA=use_tma, USE_PDL=pdl,
+        num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+    )
+    ks.decode_finish[(_cdiv(out.numel(), DECODE_FINISH_BLOCK),)](
+        work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out
+
+
 def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correction_bias=None,
               config: Optional[KernelConfig] = None):
     """Route, then run the experts: [T,H]. No host synchronization."""
@@ -248,5 +344,7 @@ def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correctio
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
+    if uses_decode(cfg, num_tokens):
+        return _decode(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2)
     weights, aligned = route_and_align(ks, router_logits, correction_bias, cfg.block_m)
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)

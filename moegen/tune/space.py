@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.plan.configs import default_config, descriptors_possible, pow2_at_least, violation
-from moegen.runtime.fused import KernelConfig
+from moegen.plan.configs import clamp_tiles, default_config, descriptors_possible, violation
+from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
 # (block_n, block_k, num_warps, num_stages) of GEMM1, by regime: few rows per block (weights
@@ -23,6 +23,10 @@ DOWN_MEMORY = ((64, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 4, 2), (32, 
 DOWN_MIDDLE = ((256, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 128, 4, 3, 1), (256, 64, 8, 3, 1))
 DOWN_COMPUTE = ((128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128, 128, 8, 3, 1),
                 (256, 64, 8, 3, 1), (64, 64, 4, 5, 1))
+# (block_n, block_k, block_h, num_warps, num_stages) of the one-launch decode kernel: wide
+# slices of I and output chunks (fewer atomics) measured best on the H200.
+DECODE = ((64, 128, 256, 4, 3), (128, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 5),
+          (128, 64, 128, 8, 4), (128, 128, 256, 4, 3), (64, 128, 512, 4, 3), (64, 128, 256, 4, 4))
 GATE_UP_VARIANTS = {16: GATE_UP_MEMORY, 32: GATE_UP_MEMORY, 64: GATE_UP_MIDDLE, 128: GATE_UP_COMPUTE}
 DOWN_VARIANTS = {16: DOWN_MEMORY, 32: DOWN_MEMORY, 64: DOWN_MIDDLE, 128: DOWN_COMPUTE}
 
@@ -34,16 +38,10 @@ def block_m_candidates(default: KernelConfig) -> tuple[int, ...]:
     return tuple(sorted({bm, min(128, 2 * bm)} | ({bm // 2} if bm >= 64 else set())))
 
 
-def _clamp(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
-    h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
-    return replace(c, block_n=max(16, min(c.block_n, i)), block_k=max(16, min(c.block_k, h)),
-                   down_block_n=max(16, min(c.down_block_n, h)), down_block_k=max(16, min(c.down_block_k, i)))
-
-
 def _keep(configs, signature: KernelSignature, target: GpuTarget) -> list[KernelConfig]:
     seen, kept = set(), []
     for c in configs:
-        c = _clamp(c, signature)
+        c = clamp_tiles(c, signature)
         if c not in seen and violation(c, signature, target) is None:
             seen.add(c)
             kept.append(c)
@@ -71,9 +69,19 @@ def tma_candidates(base: KernelConfig, signature: KernelSignature, target) -> li
     return [c for c in _keep([replace(base, tma=not base.tma), deeper], signature, target) if c != base]
 
 
+def decode_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
+    """The one-launch decode kernel's variants on top of a three-kernel config (which fused_experts
+    and the offload runtime still use), for buckets small enough to take it."""
+    if tokens > DECODE_MAX_TOKENS:
+        return []
+    return _keep([replace(base, decode_block_n=n, decode_block_k=k, decode_block_h=h, decode_num_warps=w,
+                          decode_num_stages=s) for n, k, h, w, s in DECODE], signature, target)
+
+
 def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
-    """One start per block_m: the cost model's default with that row block."""
-    default = default_config(signature, target, tokens)
+    """One start per block_m: the cost model's default with that row block, three-kernel path
+    only (the decode kernel is searched after)."""
+    default = replace(default_config(signature, target, tokens), decode_block_n=0)
     starts = []
     for bm in block_m_candidates(default):
         start = default if bm == default.block_m else default_config(
