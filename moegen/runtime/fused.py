@@ -271,8 +271,10 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int)
     else:
         count_launch, place_launch = multi_route_launch(ks)
         # Counters and rows in one buffer, filled by one launch (see the kernels' docstring).
-        counts_and_slots = torch.full((ks.num_experts + max_padded,), num_slots, dtype=torch.int32, device=device)
-        counts, sorted_slots = counts_and_slots[:ks.num_experts], counts_and_slots[ks.num_experts:]
+        # The rows start 16-byte aligned, as the kernels were compiled for (any number of experts).
+        rows_at = _cdiv(ks.num_experts, 4) * 4
+        counts_and_slots = torch.full((rows_at + max_padded,), num_slots, dtype=torch.int32, device=device)
+        counts, sorted_slots = counts_and_slots[:ks.num_experts], counts_and_slots[rows_at:]
         ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
         ks.route_count[(_cdiv(num_tokens, count_launch["BLOCK_T"]),)](
             logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **count_launch)

@@ -1,0 +1,90 @@
+"""Replay a build's precompile and the runtime's first launches against a stand-in Hopper (sm_90)
+driver on the CPU: Triton compiles here (its wheel carries ptxas), nothing runs. Prints one JSON
+object: every launch of the runtime and whether Triton found its kernel in the package's
+shipped cache. Run in a subprocess (it replaces Triton's driver): see test_build.py.
+
+    python tests/first_launch_replay.py SPEC TOKENS[,TOKENS...]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+class _Hopper:
+    """The parts of Triton's CUDA driver that compiling and looking kernels up need."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+def main(spec: str, tokens: list[int]) -> dict:
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="moegen-replay-cache-")
+    os.environ["MOEGEN_PRECOMPILE"] = "1"
+    import torch
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Hopper())
+    torch.cuda.is_available = lambda: True  # what the build asks before compiling for the GPU
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+
+    from moegen import load
+    from moegen.package import build, precompile
+    from moegen.reference import separated_router_logits
+    from moegen.runtime import fused
+
+    precompile._with_launcher = lambda compiled: None  # launchers load the binary: GPU only
+    fused._check_inputs = lambda *args, **kwargs: None  # CPU tensors stand in for CUDA ones
+    fused.pdl_supported = lambda device: True
+
+    folder, _ = build(Path(spec), Path(tempfile.mkdtemp(prefix="moegen-replay-build-")))
+    pkg = load(folder)  # installs the shipped kernels into the (empty) cache
+    cache = Path(triton.knobs.cache.dir)
+    launches = []
+    real_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        before = set(os.listdir(cache))
+        try:
+            real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        except Exception:  # noqa: BLE001 - loading the binary fails without a GPU, after the lookup
+            pass
+        launches.append({"tokens": current, "kernel": self.fn.__name__,
+                         "compiled": bool(set(os.listdir(cache)) - before)})
+
+    JITFunction.run = run
+    ks, m = pkg.KERNELS, pkg.SPEC.model
+    dtype = ks.dtype
+    w13 = torch.randn(m.num_experts, 2 * m.intermediate_size, m.hidden_size).to(dtype)
+    w2 = torch.randn(m.num_experts, m.hidden_size, m.intermediate_size).to(dtype)
+    bias = torch.rand(m.num_experts) if m.correction_bias else None
+    for current in tokens:
+        x = torch.randn(current, m.hidden_size).to(dtype)
+        logits = separated_router_logits(current, ks.routing, bias)
+        pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+    return {"shipped": len(list((folder / precompile.CACHE_FOLDER).iterdir())), "launches": launches}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], [int(t) for t in sys.argv[2].split(",")])))
