@@ -237,20 +237,36 @@ def test_kernel_cache_keys_do_not_depend_on_launch_order(package_factory):
     assert keys[0] == keys[1] == keys[2]
 
 
-def test_first_launches_find_the_shipped_kernels():
+GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").replace(
+    "hidden_size: 40", "hidden_size: 128").replace("intermediate_size: 24", "intermediate_size: 64").replace(
+    "num_experts: 6", "num_experts: 16").replace("top_k: 2", "top_k: 4").replace(
+    "scoring: softmax", "scoring: sigmoid").replace("n_group: 1", "n_group: 4").replace(
+    "topk_group: 1", "topk_group: 2").replace("correction_bias: false", "correction_bias: true").replace(
+    "dtype: float32", "dtype: bfloat16")
+
+
+@pytest.mark.parametrize("spec", ["tiny", "grouped_bf16"])
+def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
     """The runtime's first launches, in an order unlike the build's (routing pair first), find
     every kernel the build compiled into the package: no compile at first call. Replayed on the
     CPU against a stand-in sm_90 driver (tests/first_launch_replay.py): Triton compiles with the
-    ptxas of its wheel and looks kernels up exactly as on the GPU."""
+    ptxas of its wheel and looks kernels up exactly as on the GPU. Two shapes: odd fp32 sizes,
+    and bf16 with grouped, biased routing (tensor descriptors throughout)."""
     ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file() or subprocess.run([str(ptxas), "--version"], capture_output=True).returncode != 0:
         pytest.skip("no runnable ptxas in this Triton install")
+    spec_file = TINY
+    if spec == "grouped_bf16":
+        spec_file = tmp_path / "grouped_bf16.yaml"
+        spec_file.write_text(GROUPED_BF16)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "first_launch_replay.py"), str(TINY), "64,8,1,4,16"],
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "first_launch_replay.py"), str(spec_file),
+                             "64,8,1,4,16"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     replay = json.loads(result.stdout.strip().splitlines()[-1])
-    kernels = {launch["kernel"].replace("_silu_fp32_h40_i24_e6_k2", "") for launch in replay["launches"]}
+    kernels = {launch["kernel"].split("_silu_")[0] + ("_" + launch["kernel"].rsplit("_", 1)[1]
+                                                       if launch["kernel"].endswith(("_count", "_place", "_finish")) else "")
+               for launch in replay["launches"]}
     assert kernels == {"moe_route_align_count", "moe_route_align_place", "moe_route_align", "moe_gate_up",
                        "moe_down_reduce", "moe_decode", "moe_decode_finish"}
     assert replay["shipped"] > 0
