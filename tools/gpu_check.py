@@ -6,9 +6,10 @@
 
 1. Runs `pytest -q -m gpu tests/test_gpu.py` in a subprocess and prints its summary line
    (a failure does not stop the script, but it exits non-zero at the end).
-2. Measures the two ceilings in this process (moegen.tune.bench.measure_ceilings, as the tuner):
-   HBM bandwidth (the better of a 4 GiB device-to-device copy, counting bytes read + written,
-   and a streaming-read Triton kernel) and the bf16 GEMM rate (8192^3 matmul, random data).
+2. Measures the two ceilings in this process: HBM bandwidth (moegen.tune.bench.measure_ceilings,
+   as the tuner: the better of a 4 GiB device-to-device copy, counting bytes read + written, and
+   a streaming-read Triton kernel) and the bf16 GEMM rate (8192^3 matmul, random data), timed as
+   the kernels of step 3 are (the tuner's short-burst figure is printed beside it).
 3. For each shipped spec and token count, times moegen's fused_moe (routing included), a naive
    per-expert PyTorch loop and torch._grouped_mm, each first checked against the float64
    reference (T <= 4096 only: the reference at T = 16384 costs more than the whole benchmark).
@@ -19,7 +20,8 @@
    Floor = max(bytes of the distinct experts this routing touches + activations in and out) /
    HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2.
 4. Records the first fused_moe call after import per spec and bucket (from an empty Triton
-   cache unless --warm-triton-cache: a build on the target GPU ships compiled kernels).
+   cache unless --warm-triton-cache: a build on the target GPU ships compiled kernels) and the
+   kernels Triton compiled during it: any, for a package that ships them, is a failure.
 5. The expert-offload benchmark (tools/offload_bench.py): Mixtral- and DeepSeek-V2-Lite-sized
    stacks decoding with routing replayed from ../shared/traces at 25/50/75% residency.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import math
 import os
 import platform
@@ -306,6 +309,25 @@ class Cold:
     import_ms: float
     first_ms: dict  # bucket -> first call after import (ms), compilation included if any
     second_ms: dict  # bucket -> the same call again (ms)
+    compiled: dict  # bucket -> kernels (or launchers) Triton compiled during that first call
+
+
+def triton_cache_entries() -> set[str]:
+    import triton
+
+    folder = Path(triton.knobs.cache.dir)
+    return set(os.listdir(folder)) if folder.is_dir() else set()
+
+
+def compiled_names(entries) -> list[str]:
+    """Kernel names of new Triton cache entries ('launcher' for a host-side launcher)."""
+    import triton
+
+    names = []
+    for entry in sorted(entries):
+        metadata = [p for p in (Path(triton.knobs.cache.dir) / entry).glob("*.json") if not p.name.startswith("__grp__")]
+        names.append(json.loads(metadata[0].read_text()).get("name", entry) if metadata else "launcher")
+    return names
 
 
 def resolve_spec(name: str) -> Path:
@@ -352,18 +374,23 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
 
     # Cold start: the first call after import for every bucket (in bucket order), Triton
     # compilation included unless the build precompiled the kernels into the package.
-    first_ms, second_ms = {}, {}
+    first_ms, second_ms, compiled = {}, {}, {}
     cold_tokens = [t for t in ks.buckets if t <= (17 if args.cpu_smoke else 1 << 30)]
     for t in cold_tokens:
         x, logits = inputs(t)
+        before = triton_cache_entries()
         for record in (first_ms, second_ms):
             timer.sync()
             start = time.perf_counter()
             pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
             timer.sync()
             record[t] = (time.perf_counter() - start) * 1e3
+        compiled[t] = compiled_names(triton_cache_entries() - before)
     precompiled = sum(1 for _ in (folder / "triton_cache").glob("*")) if (folder / "triton_cache").is_dir() else 0
-    cold = Cold(spec_name, build_s, precompiled, import_ms, first_ms, second_ms)
+    cold = Cold(spec_name, build_s, precompiled, import_ms, first_ms, second_ms, compiled)
+    if precompiled and not args.warm_triton_cache and any(compiled.values()):
+        problems.append(f"{spec_name}: the first calls compiled {sum(map(len, compiled.values()))} kernels "
+                        "although the package ships compiled kernels (see the cold-start table)")
 
     from moegen.runtime.routing import route
     from moegen.tune.bench import capture_graph
@@ -473,12 +500,15 @@ def results_table(rows: list[Row]) -> list[str]:
 
 
 def cold_table(colds: list[Cold]) -> list[str]:
-    out = ["| spec | build s | kernels shipped | import ms | first call after import, ms, per bucket (second call) | worst first-call overhead ms |",
-           "|---|---:|---:|---:|---|---:|"]
+    out = ["| spec | build s | kernels shipped | import ms | first call after import, ms, per bucket (second call) "
+           "| worst first-call overhead ms | compiled at first call |",
+           "|---|---:|---:|---:|---|---:|---|"]
     for c in colds:
         per_bucket = ", ".join(f"T={t}: {c.first_ms[t]:.1f} ({c.second_ms[t]:.1f})" for t in c.first_ms)
         worst = max((c.first_ms[t] - c.second_ms[t] for t in c.first_ms), default=0.0)
-        out.append(f"| {c.spec} | {c.build_s:.2f} | {c.precompiled} | {c.import_ms:.0f} | {per_bucket} | {worst:.1f} |")
+        compiled = "; ".join(f"T={t}: {', '.join(names)}" for t, names in c.compiled.items() if names) or "nothing"
+        out.append(f"| {c.spec} | {c.build_s:.2f} | {c.precompiled} | {c.import_ms:.0f} | {per_bucket} | {worst:.1f} "
+                   f"| {compiled} |")
     return out
 
 
