@@ -76,12 +76,16 @@ def descriptors_pay_off(signature: KernelSignature, target: GpuTarget) -> bool:
 def clamp_tiles(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
     """Tiles never wider than the (power-of-two rounded) dimension they cover, nor below 16."""
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
-    c = replace(c, block_n=max(16, min(c.block_n, i)), block_k=max(16, min(c.block_k, h)),
-                down_block_n=max(16, min(c.down_block_n, h)), down_block_k=max(16, min(c.down_block_k, i)))
+
+    def fit(tile: int, dim: int) -> int:
+        return max(16, min(tile, dim))
+
+    c = replace(c, block_n=fit(c.block_n, i), block_k=fit(c.block_k, h),
+                down_block_n=fit(c.down_block_n, h), down_block_k=fit(c.down_block_k, i))
     if not c.decode_block_n:
         return c
-    return replace(c, decode_block_n=max(16, min(c.decode_block_n, i)), decode_block_k=max(16, min(c.decode_block_k, h)),
-                   decode_block_h=max(16, min(c.decode_block_h, h)))
+    return replace(c, decode_block_n=fit(c.decode_block_n, i), decode_block_k=fit(c.decode_block_k, h),
+                   decode_block_h=fit(c.decode_block_h, h))
 
 
 def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -> KernelConfig:

@@ -4,6 +4,7 @@ one-launch decode kernel and its finish. The generated package binds a KernelSet
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -87,6 +88,9 @@ class KernelSet:
         """The smallest bucket >= num_tokens (the largest bucket beyond it)."""
         return min(bisect.bisect_left(self.buckets, num_tokens), len(self.buckets) - 1)
 
+    def bucket_for(self, num_tokens: int) -> int:
+        return self.buckets[self.bucket_index(num_tokens)]
+
     def config_for(self, num_tokens: int) -> KernelConfig:
         return self.configs[self.bucket_index(num_tokens)]
 
@@ -120,14 +124,14 @@ def pow2_at_least(x: float) -> int:
 def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
     """Launch settings of the single-program routing kernel, sized by the batch's bucket so that
     a handful of compiled variants serve all batches: a decode token is not padded to 16."""
-    bucket = max(1, min(ks.buckets[ks.bucket_index(num_tokens)], ROUTE_ALIGN_MAX_TOKENS))
+    bucket = max(1, min(ks.bucket_for(num_tokens), ROUTE_ALIGN_MAX_TOKENS))
     slots = pow2_at_least(bucket * ks.top_k)
     return dict(BLOCK_T=min(16, pow2_at_least(bucket)), BLOCK_S=max(16, min(64, slots)), num_warps=4)
 
 
 def decode_block_t(ks: KernelSet, num_tokens: int) -> int:
     """Token rows the decode kernel routes: sized by the batch's bucket (few compiled variants)."""
-    return pow2_at_least(min(ks.buckets[ks.bucket_index(num_tokens)], DECODE_MAX_TOKENS))
+    return pow2_at_least(min(ks.bucket_for(num_tokens), DECODE_MAX_TOKENS))
 
 
 def uses_decode(cfg: KernelConfig, num_tokens: int) -> bool:
@@ -284,8 +288,10 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int)
     return weights, Alignment(sorted_slots, block_expert, num_padded, max_padded)
 
 
+@functools.lru_cache(maxsize=None)
 def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper and later (not in the interpreter)."""
+    """Programmatic dependent launch: Hopper and later (not in the interpreter). Asked on every
+    decode call: cached per device, off the launch path."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 

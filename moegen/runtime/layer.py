@@ -12,7 +12,6 @@ from moegen.runtime import fused
 from moegen.runtime.host_experts import PROJECTION_NAMES
 
 
-
 def _activation(name: str):
     return F.silu if name == "silu" else F.gelu
 
