@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moegen import reference as ref
-from moegen.runtime.align import align_tokens
+from moegen.runtime.align import align_tokens, run_rows
 
 TOLERANCE = ref.TOLERANCE
 TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -173,11 +173,38 @@ ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "f
 ]
 
 
+def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: int, tail_m: int) -> torch.Tensor:
+    """Every slot exactly once, in a row block (or the tail rows of the last block) of its expert's
+    run; runs padded exactly as run_rows says; the other rows of the blocks in use the sentinel
+    (rows beyond them are never read). Returns the expert of each slot as the layout says."""
+    num_slots = expert_of_slot.numel()
+    used, blocks = int(a.num_padded), int(a.num_padded) // block_m
+    slots = a.sorted_slots.long().cpu()
+    counts = torch.bincount(expert_of_slot, minlength=num_experts)
+    assert used == int(run_rows(counts, block_m, tail_m).sum())
+    assert slots.numel() == a.max_padded + a.max_padded // block_m * tail_m
+    ids = torch.full((num_slots,), -1, dtype=torch.long)
+    for b in range(blocks):
+        block = slots[b * block_m:(b + 1) * block_m]
+        tail = slots[a.max_padded + b * tail_m:a.max_padded + (b + 1) * tail_m]
+        block, tail = block[block < num_slots], tail[tail < num_slots]
+        assert block.numel() > 0
+        if tail.numel():  # only a full last block of its run carries tail rows
+            assert block.numel() == block_m
+            assert b + 1 == blocks or int(a.block_expert[b + 1]) != int(a.block_expert[b])
+        for s in (block, tail):
+            assert bool((ids[s] == -1).all())
+            ids[s] = int(a.block_expert[b])
+    assert bool((ids == expert_of_slot).all())
+    return ids
+
+
+@pytest.mark.parametrize("block_m,tail_m", [(16, 0), (8, 4)], ids=["padded", "tail_rows"])
 @pytest.mark.parametrize("path", ["single_program", "multi_program"])
 @pytest.mark.parametrize("case", ROUTING_CASES, ids=lambda c: c.name)
-def test_route_and_align_kernels(case, path, package_factory, monkeypatch):
+def test_route_and_align_kernels(case, path, block_m, tail_m, package_factory, monkeypatch):
     """Both routing kernels: the reference's top-k and weights, every slot placed exactly once
-    in a row block of its own expert, padding rows marked, the padded total exact."""
+    in a row block (or tail rows) of its own expert, padding rows marked, the padded total exact."""
     from moegen.runtime import fused
 
     monkeypatch.setattr(fused, "ROUTE_ALIGN_MAX_TOKENS", 1 << 20 if path == "single_program" else 0)
@@ -185,44 +212,57 @@ def test_route_and_align_kernels(case, path, package_factory, monkeypatch):
     ks = pkg.KERNELS
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 1)
     _, logits, _, _, bias = _inputs(case, pkg, generator)
-    block_m = 16
-    weights, a = fused.route_and_align(ks, logits, bias, block_m)
+    weights, a = fused.route_and_align(ks, logits, bias, block_m, tail_m)
     ref_weights, ref_ids, _ = ref.route_reference(logits, ks.routing, bias)
     k, t = ks.top_k, case.tokens
-    slots = a.sorted_slots[: int(a.num_padded)].long().cpu()
-    real = slots[slots < t * k]
-    assert sorted(real.tolist()) == list(range(t * k))
-    counts = torch.bincount(ref_ids.reshape(-1).cpu(), minlength=ks.num_experts)
-    assert int(a.num_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
     # The kernels' ids, recovered from the layout (slot s sits in a block of its expert).
-    ids = torch.full((t * k,), -1, dtype=torch.long)
-    for b in range(int(a.num_padded) // block_m):
-        block = slots[b * block_m:(b + 1) * block_m]
-        block = block[block < t * k]
-        assert block.numel() > 0
-        ids[block] = int(a.block_expert[b])
-    ids = ids.view(t, k)
+    ids = _check_layout(a, ref_ids.reshape(-1).cpu(), ks.num_experts, block_m, tail_m).view(t, k)
     order, ref_order = ids.sort(dim=1), ref_ids.cpu().sort(dim=1)
     assert torch.equal(order.values, ref_order.values)
     flat_weights = weights.view(t, k).cpu().double()
     assert torch.allclose(flat_weights.gather(1, order.indices), ref_weights.cpu().gather(1, ref_order.indices), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16)])
-def test_alignment_groups_and_pads(tokens, experts, top_k, block_m):
+@pytest.mark.parametrize("tail_m", [0, 16])
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16),
+                                                          (150, 4, 1, 32)])
+def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m):
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
-    a = align_tokens(ids, experts, block_m)
-    used = int(a.num_padded)
-    slots = a.sorted_slots[:used]
-    real = slots[slots < tokens * top_k].long()
-    assert sorted(real.tolist()) == list(range(tokens * top_k))  # every slot exactly once
-    assert bool((a.sorted_slots[used:] == tokens * top_k).all())
-    flat = ids.reshape(-1).long()
-    for b in range(used // block_m):
-        block = slots[b * block_m:(b + 1) * block_m]
-        block = block[block < tokens * top_k].long()
-        assert block.numel() > 0 and bool((flat[block] == int(a.block_expert[b])).all())
+    _check_layout(align_tokens(ids, experts, block_m, tail_m), ids.reshape(-1).long(), experts, block_m, tail_m)
+
+
+# Each has experts with just over one 32-row block (a remainder of at most 16: tail rows).
+TAIL_CASES = [c for c in CASES if c.name in ("beyond_single_program_routing", "all_on_one_expert")] + [
+    Case("tail_rows_most_experts", 90, BASE),
+    Case("tail_rows_fp16_gelu", 100, dict(BASE, hidden_size=64, intermediate_size=48, num_experts=5,
+                                          activation="gelu", dtype="float16")),
+    Case("tail_rows_grouped", 120, GROUPED),
+]
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: c.name)
+def test_tail_rows(case, tma, package_factory):
+    """Blocks carrying their expert's last rows as tail rows (swapped MMAs in both GEMMs), routed
+    by the kernels and by the caller; split-K on the descriptor path."""
+    from dataclasses import replace
+
+    from moegen.runtime.fused import fused_experts, fused_moe
+
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
+    x, logits, w13, w2, bias = _inputs(case, pkg, generator)
+    config = replace(pkg.KERNELS.config_for(case.tokens), block_m=32, tail_m=16, tma=tma, split_k=1 + tma,
+                     block_n=16, block_k=32, down_block_n=32, down_block_k=16, decode_block_n=0)
+    expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
+    out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
+    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+    weights, ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
+    counts = torch.bincount(ids.reshape(-1), minlength=pkg.SPEC.model.num_experts)
+    assert bool(((counts > 32) & (counts % 32 <= 16)).any())  # some expert does take tail rows
+    out = fused_experts(pkg.KERNELS, x, weights.to(x.dtype), ids, w13, w2, config=config)
+    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
 
 
 def test_layer_loads_mixtral_and_deepseek_checkpoints(package_factory):

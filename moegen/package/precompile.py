@@ -31,7 +31,7 @@ def _mock_launch_args(ks):
     n = 1 << 20  # stands in for the token-dependent sizes, which are never specialized
     route = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, n, e, n)
     count = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, n, e)
-    place = (torch.int32,) * 6 + (n,)
+    place = (torch.int32,) * 6 + (n, n)
     gate_up = (ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n, h, 2 * i * h, h, i)
     down = (torch.float32, torch.int32, torch.int32, torch.int32, n, n, i, h * i, i, h)
     decode = (torch.float32, n, e, h, 2 * i * h, h, h * i, i)  # after logits, bias, x, w13, w2
@@ -94,20 +94,22 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     for bucket, cfg in zip(ks.buckets, ks.configs):
         if previous < ROUTE_ALIGN_MAX_TOKENS:  # some of this bucket's batches are routed by one program
             for logits_dtype in logits_dtypes:
-                compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m,
+                compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
                                                       **single_route_launch(ks, bucket), grid=(1,)))
         if bucket > ROUTE_ALIGN_MAX_TOKENS:  # and some by the multi-program pair
             for logits_dtype in logits_dtypes:
                 compiled.append(ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,)))
-            compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, **place_launch, grid=(1,)))
+            compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, **place_launch,
+                                                  grid=(1,)))
         use_tma = cfg.tma and tma_possible(ks)
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
         compiled.append(ks.gate_up.warmup(
             ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,)))
+            GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, USE_TMA=use_tma, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, grid=(1,)))
         compiled.append(ks.down_reduce.warmup(
-            inter, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
-            BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, USE_TMA=use_tma,
+            inter, ks.dtype, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
+            BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m, USE_TMA=use_tma,
             num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages, grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)

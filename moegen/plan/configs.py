@@ -9,8 +9,12 @@ from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, pow2_at_least, tma_rows_aligned
 from moegen.target import GpuTarget
 
-# fp32 accumulator values one thread may hold before the compiler spills (of 255 registers).
+# fp32 accumulator values one thread may hold before the compiler spills (of 255 registers),
+# and with a block's tail rows (their loop's few other registers leave room for more).
 MAX_ACCUMULATORS_PER_THREAD = 128
+MAX_ACCUMULATORS_WITH_TAIL = 192
+# Tail row counts a block may carry (the swapped MMA's narrow side: a power of two, >= 16).
+TAIL_ROWS = (16, 32, 64)
 # Batches this small default to the one-launch decode kernel, with the tile that was best or
 # within 3% of it at one token for all four H200-tuned shapes (docs/PERFORMANCE.md).
 DECODE_DEFAULT_MAX_TOKENS = 4
@@ -19,12 +23,14 @@ DECODE_DEFAULT = dict(decode_block_n=64, decode_block_k=128, decode_block_h=256,
 
 
 def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
-    """Pipelined shared memory of GEMM1: an A tile and two B tiles (gate, up) per stage."""
-    return c.num_stages * (c.block_m * c.block_k + 2 * c.block_k * c.block_n) * element_bytes
+    """Pipelined shared memory of GEMM1: A tiles (block and tail rows) and two B tiles (gate, up)
+    per stage."""
+    return c.num_stages * ((c.block_m + c.tail_m) * c.block_k + 2 * c.block_k * c.block_n) * element_bytes
 
 
 def down_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
-    return c.down_num_stages * (c.block_m * c.down_block_k + c.down_block_k * c.down_block_n) * element_bytes
+    return c.down_num_stages * ((c.block_m + c.tail_m) * c.down_block_k + c.down_block_k * c.down_block_n) \
+        * element_bytes
 
 
 def decode_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
@@ -42,10 +48,14 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return f"GEMM1 shared memory {gate_up_smem_bytes(c, b)} > {limit}"
     if down_smem_bytes(c, b) > limit:
         return f"GEMM2 shared memory {down_smem_bytes(c, b)} > {limit}"
-    if 2 * c.block_m * c.block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.num_warps:
+    if 2 * c.block_m * c.block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.num_warps \
+            or 2 * (c.block_m + c.tail_m) * c.block_n > MAX_ACCUMULATORS_WITH_TAIL * 32 * c.num_warps:
         return "GEMM1 accumulators exceed the register file"
-    if c.block_m * c.down_block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.down_num_warps:
+    if c.block_m * c.down_block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.down_num_warps \
+            or (c.block_m + c.tail_m) * c.down_block_n > MAX_ACCUMULATORS_WITH_TAIL * 32 * c.down_num_warps:
         return "GEMM2 accumulators exceed the register file"
+    if c.tail_m and (c.tail_m not in TAIL_ROWS or c.tail_m >= c.block_m):
+        return f"tail_m {c.tail_m} not one of {TAIL_ROWS} below block_m"
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
     if c.block_n > max(16, i) or c.block_k > max(16, h) or c.down_block_n > max(16, h) or c.down_block_k > max(16, i):
         return "tile wider than the dimension it covers"

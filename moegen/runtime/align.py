@@ -1,6 +1,8 @@
 """Token-to-expert alignment on the device: group the T*k (token, slot) pairs by expert and pad
 each expert's run to a multiple of BLOCK_M, so that every row block of the grouped GEMMs belongs
-to exactly one expert.
+to exactly one expert. With tail_m > 0, a run longer than one block whose remainder is at most
+tail_m rows is not padded: the remainder goes to the tail rows of the run's last block b, rows
+max_padded + b * tail_m + j (the layout the routing kernels write too).
 
 All shapes are static functions of (T, k, E, BLOCK_M) and nothing is read back to the host,
 so the step is capturable in a CUDA graph.
@@ -20,13 +22,23 @@ def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
 
 @dataclass(frozen=True)
 class Alignment:
-    sorted_slots: torch.Tensor  # [max_padded] int32: flat slot t*k+j, or num_slots for padding
+    sorted_slots: torch.Tensor  # [max_padded + blocks * tail_m] int32: flat slot t*k+j, or num_slots
     block_expert: torch.Tensor  # [max_padded // BLOCK_M] int32: the expert of each row block
-    num_padded: torch.Tensor  # [1] int32: padded rows actually used
+    num_padded: torch.Tensor  # [1] int32: padded rows actually used (tail rows not counted)
     max_padded: int
+    tail_m: int = 0
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+def run_rows(counts: torch.Tensor, block_m: int, tail_m: int) -> torch.Tensor:
+    """Rows each expert's run takes in the row blocks (the routing kernels' _run_rows)."""
+    padded = (counts + block_m - 1) // block_m * block_m
+    if tail_m:
+        remainder = counts % block_m
+        padded = torch.where((counts > block_m) & (remainder <= tail_m), counts - remainder, padded)
+    return padded
+
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> Alignment:
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
@@ -34,19 +46,22 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
 
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_counts = run_rows(counts, block_m, tail_m)
     padded_end = padded_counts.cumsum(0)
     padded_start = padded_end - padded_counts
     count_start = counts.cumsum(0) - counts
 
     order = torch.sort(flat, stable=True).indices
     sorted_expert = flat[order]
-    rank_in_expert = torch.arange(num_slots, device=device) - count_start[sorted_expert]
-    destination = padded_start[sorted_expert] + rank_in_expert
+    rank = torch.arange(num_slots, device=device) - count_start[sorted_expert]
+    rows = padded_counts[sorted_expert]
+    tail_row = max_padded + (padded_end[sorted_expert] // block_m - 1) * tail_m + rank - rows
+    destination = torch.where(rank < rows, padded_start[sorted_expert] + rank, tail_row)
 
-    sorted_slots = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots = torch.full((max_padded + max_padded // block_m * tail_m,), num_slots, dtype=torch.int32,
+                              device=device)
     sorted_slots.scatter_(0, destination, order.to(torch.int32))
     block_start = torch.arange(0, max_padded, block_m, device=device)
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
     block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
-    return Alignment(sorted_slots, block_expert, padded_end[-1:].to(torch.int32), max_padded)
+    return Alignment(sorted_slots, block_expert, padded_end[-1:].to(torch.int32), max_padded, tail_m)

@@ -42,6 +42,9 @@ class KernelConfig:
     down_num_stages: int
     split_k: int = 1
     tma: bool = False  # weight (and GEMM2 intermediate) tiles through Hopper tensor descriptors
+    # Up to this many of an expert's last rows ride on its last full block instead of taking a
+    # padded block of their own (0: every run padded to block_m); see the alignment.
+    tail_m: int = 0
     # The one-launch decode kernel, for batches of at most DECODE_MAX_TOKENS routed by fused_moe
     # (0: not used): its slice of I, step along H, width of its output chunks, warps, stages.
     decode_block_n: int = 0
@@ -52,12 +55,13 @@ class KernelConfig:
 
     @property
     def key(self) -> str:
-        """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma, + _d...)."""
+        """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma, _t32, _d...)."""
         decode = (f"_d{self.decode_block_n}k{self.decode_block_k}h{self.decode_block_h}"
                   f"w{self.decode_num_warps}s{self.decode_num_stages}" if self.decode_block_n else "")
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
-                f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "") + decode)
+                f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
+                + (f"_t{self.tail_m}" if self.tail_m else "") + decode)
 
 
 @dataclass(frozen=True)
@@ -197,7 +201,7 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     num_tokens = hidden_states.shape[0]
     h, i = ks.hidden_size, ks.intermediate_size
     hidden_states, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
-    inter = torch.empty((aligned.max_padded, i), dtype=ks.dtype, device=hidden_states.device)
+    inter = torch.empty((aligned.sorted_slots.numel(), i), dtype=ks.dtype, device=hidden_states.device)
     out = torch.empty((num_tokens, h), dtype=ks.dtype, device=hidden_states.device)  # zeroed by GEMM1
     num_m_blocks = aligned.max_padded // cfg.block_m
     use_tma = cfg.tma and tma_compatible(w13, w2, inter)
@@ -213,15 +217,16 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
         num_tokens * ks.top_k, aligned.max_padded, out.numel(),
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TAIL_M=aligned.tail_m, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     ks.down_reduce[(num_m_blocks * _cdiv(h, cfg.down_block_n), cfg.split_k)](
-        inter_arg, w2_arg, out, weights,
+        inter_arg, inter, w2_arg, out, weights,
         aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
         num_tokens * ks.top_k, aligned.max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, USE_TMA=use_tma, num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages,
+        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, USE_TMA=use_tma, num_warps=cfg.down_num_warps,
+        num_stages=cfg.down_num_stages,
     )
     return out
 
@@ -249,16 +254,17 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
-    aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
+    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
 
 
-def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int):
+def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int, tail_m: int = 0):
     """(flat top-k weights [T*k] float32, Alignment) for router logits [T, E]."""
     num_tokens, device = router_logits.shape[0], router_logits.device
     num_slots = num_tokens * ks.top_k
     max_padded = max_padded_slots(num_slots, ks.num_experts, block_m)
+    rows = max_padded + max_padded // block_m * tail_m  # the blocks' rows, then their tail rows
     weights = torch.empty(num_slots, dtype=torch.float32, device=device)
     ids = torch.empty(num_slots, dtype=torch.int32, device=device)
     logits = router_logits.contiguous()
@@ -266,26 +272,26 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int)
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     if num_tokens <= ROUTE_ALIGN_MAX_TOKENS:
-        sorted_slots = torch.empty(max_padded, dtype=torch.int32, device=device)
+        sorted_slots = torch.empty(rows, dtype=torch.int32, device=device)
         ks.route_align[(1,)](
             logits, bias, weights, ids, sorted_slots, block_expert, num_padded,
             num_tokens, logits.stride(0), max_padded,
-            BLOCK_M=block_m, **single_route_launch(ks, num_tokens),
+            BLOCK_M=block_m, TAIL_M=tail_m, **single_route_launch(ks, num_tokens),
         )
     else:
         count_launch, place_launch = multi_route_launch(ks)
         # Counters and rows in one buffer, filled by one launch (see the kernels' docstring).
         # The rows start 16-byte aligned, as the kernels were compiled for (any number of experts).
         rows_at = _cdiv(ks.num_experts, 4) * 4
-        counts_and_slots = torch.full((rows_at + max_padded,), num_slots, dtype=torch.int32, device=device)
+        counts_and_slots = torch.full((rows_at + rows,), num_slots, dtype=torch.int32, device=device)
         counts, sorted_slots = counts_and_slots[:ks.num_experts], counts_and_slots[rows_at:]
         ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
         ks.route_count[(_cdiv(num_tokens, count_launch["BLOCK_T"]),)](
             logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **count_launch)
         ks.route_place[(_cdiv(num_slots, place_launch["BLOCK_S"]),)](
-            ids, ranks, counts, sorted_slots, block_expert, num_padded, num_slots,
-            BLOCK_M=block_m, **place_launch)
-    return weights, Alignment(sorted_slots, block_expert, num_padded, max_padded)
+            ids, ranks, counts, sorted_slots, block_expert, num_padded, num_slots, max_padded,
+            BLOCK_M=block_m, TAIL_M=tail_m, **place_launch)
+    return weights, Alignment(sorted_slots, block_expert, num_padded, max_padded, tail_m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -354,5 +360,5 @@ def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correctio
     cfg = config or ks.config_for(num_tokens)
     if uses_decode(cfg, num_tokens):
         return _decode(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2)
-    weights, aligned = route_and_align(ks, router_logits, correction_bias, cfg.block_m)
+    weights, aligned = route_and_align(ks, router_logits, correction_bias, cfg.block_m, cfg.tail_m)
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)

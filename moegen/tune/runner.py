@@ -197,6 +197,16 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                     best, best_time = step, step_time
                 log(f"  bucket {index}/{len(todo)} T={tokens}: block_m={start.block_m} done, "
                     f"{tried} candidates, best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
+            tail = space.tail_candidates(three_kernel, ir.signature, gpu, tokens)
+            if tail:
+                step, step_time = search.best_of(tail)
+                tried += len(tail)
+                if step_time < three_kernel_time:
+                    three_kernel, three_kernel_time = step, step_time
+                if step_time < best_time:
+                    best, best_time = step, step_time
+                log(f"  bucket {index}/{len(todo)} T={tokens}: tail rows done, {tried} candidates, "
+                    f"best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
             decode = space.decode_candidates(three_kernel, ir.signature, gpu, tokens)
             if decode:
                 step, step_time = search.best_of(decode)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.plan.configs import clamp_tiles, default_config, descriptors_possible, violation
+from moegen.plan.configs import TAIL_ROWS, clamp_tiles, default_config, descriptors_possible, violation
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
@@ -67,6 +67,14 @@ def tma_candidates(base: KernelConfig, signature: KernelSignature, target) -> li
     tma = replace(base, tma=True)
     deeper = replace(tma, num_stages=tma.num_stages + 1, down_num_stages=tma.down_num_stages + 1)
     return [c for c in _keep([replace(base, tma=not base.tma), deeper], signature, target) if c != base]
+
+
+def tail_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
+    """The best config so far with tail rows, for batches whose experts expect at least 3/4 of a
+    block each (runs just over a block are what a tail saves a padded block on)."""
+    if 4 * tokens * signature.top_k < 3 * base.block_m * signature.num_experts:
+        return []
+    return [c for c in _keep([replace(base, tail_m=t) for t in TAIL_ROWS], signature, target) if c != base]
 
 
 def decode_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
