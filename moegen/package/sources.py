@@ -53,7 +53,8 @@ def _report_rows(build: BuildPlan) -> list[list[str]]:
         rows.append([
             str(b.tokens), f"{cost.experts_touched:.2f}", f"{cost.flops / 1e9:.3f}",
             f"{cost.bytes / 1e6:.2f}", f"{cost.intensity:.1f}", f"{cost.floor_us:.2f}", cost.bound,
-            str(c.block_m) + (f" + {c.tail_m} tail" if c.tail_m else ""), f"{c.block_n} x {c.block_k}", f"{c.down_block_n} x {c.down_block_k}",
+            str(c.block_m) + (f" + {c.tail_m} tail" if c.tail_m else ""), f"{c.block_n} x {c.block_k}",
+            f"{c.down_block_n} x {c.down_block_k}",
             str(c.group_m), str(c.num_warps), str(c.num_stages), b.source,
         ])
     return rows

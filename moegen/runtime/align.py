@@ -20,6 +20,11 @@ def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
     return (padded + block_m - 1) // block_m * block_m
 
 
+def aligned_rows(max_padded: int, block_m: int, tail_m: int) -> int:
+    """Rows of the sorted layout: every block's rows, then every block's tail rows."""
+    return max_padded + max_padded // block_m * tail_m
+
+
 @dataclass(frozen=True)
 class Alignment:
     sorted_slots: torch.Tensor  # [max_padded + blocks * tail_m] int32: flat slot t*k+j, or num_slots
@@ -58,7 +63,7 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m:
     tail_row = max_padded + (padded_end[sorted_expert] // block_m - 1) * tail_m + rank - rows
     destination = torch.where(rank < rows, padded_start[sorted_expert] + rank, tail_row)
 
-    sorted_slots = torch.full((max_padded + max_padded // block_m * tail_m,), num_slots, dtype=torch.int32,
+    sorted_slots = torch.full((aligned_rows(max_padded, block_m, tail_m),), num_slots, dtype=torch.int32,
                               device=device)
     sorted_slots.scatter_(0, destination, order.to(torch.int32))
     block_start = torch.arange(0, max_padded, block_m, device=device)

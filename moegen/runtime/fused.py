@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from moegen import knobs
-from moegen.runtime.align import Alignment, align_tokens, max_padded_slots
+from moegen.runtime.align import Alignment, align_tokens, aligned_rows, max_padded_slots
 from moegen.runtime.routing import RoutingParams
 
 # Batches up to this size are routed and aligned by the single-program kernel (one launch);
@@ -264,7 +264,7 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
     num_tokens, device = router_logits.shape[0], router_logits.device
     num_slots = num_tokens * ks.top_k
     max_padded = max_padded_slots(num_slots, ks.num_experts, block_m)
-    rows = max_padded + max_padded // block_m * tail_m  # the blocks' rows, then their tail rows
+    rows = aligned_rows(max_padded, block_m, tail_m)
     weights = torch.empty(num_slots, dtype=torch.float32, device=device)
     ids = torch.empty(num_slots, dtype=torch.int32, device=device)
     logits = router_logits.contiguous()
