@@ -179,6 +179,11 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
             default = default_config(ir.signature, gpu, tokens)
             default_time = search.measure(default)
             best, best_time, tried = default, default_time, 1
+
+            def progress(step_name: str) -> None:
+                log(f"  bucket {index}/{len(todo)} T={tokens}: {step_name} done, {tried} candidates, "
+                    f"best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
+
             three_kernel, three_kernel_time = replace(default, decode_block_n=0), math.inf
             for start in space.starting_points(ir.signature, gpu, tokens):
                 gate_up = space.gate_up_candidates(start, ir.signature, gpu)
@@ -195,8 +200,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:
                     best, best_time = step, step_time
-                log(f"  bucket {index}/{len(todo)} T={tokens}: block_m={start.block_m} done, "
-                    f"{tried} candidates, best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
+                progress(f"block_m={start.block_m}")
             tail = space.tail_candidates(three_kernel, ir.signature, gpu, tokens)
             if tail:
                 step, step_time = search.best_of(tail)
@@ -205,16 +209,14 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:
                     best, best_time = step, step_time
-                log(f"  bucket {index}/{len(todo)} T={tokens}: tail rows done, {tried} candidates, "
-                    f"best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
+                progress("tail rows")
             decode = space.decode_candidates(three_kernel, ir.signature, gpu, tokens)
             if decode:
                 step, step_time = search.best_of(decode)
                 tried += len(decode)
                 if step_time < best_time:
                     best, best_time = step, step_time
-                log(f"  bucket {index}/{len(todo)} T={tokens}: decode kernel done, {tried} candidates, "
-                    f"best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
+                progress("decode kernel")
             if math.isinf(best_time):
                 raise MoegenError(f"no config ran correctly for {tokens} tokens; failures: {list(failures.items())[:3]}")
             benchmarked += search.timed
