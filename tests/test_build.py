@@ -245,13 +245,28 @@ GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").repl
     "dtype: float32", "dtype: bfloat16")
 
 
+def _tuned_with_tail_rows(spec_file: Path, directory: Path, tokens: int) -> None:
+    """A tuning database whose entry for `tokens` has tail rows (no cost-model default does)."""
+    from dataclasses import replace
+
+    from moegen.plan.configs import default_config
+    from moegen.render import KERNEL_TEMPLATES
+    from moegen.tune import db
+
+    ir = lower(load_spec(spec_file), spec_file)
+    config = replace(default_config(ir.signature, ir.target, tokens), block_m=32, tail_m=16, decode_block_n=0)
+    metadata = db.current_metadata(ir.target.name, ir.signature, KERNEL_TEMPLATES)
+    db.save(directory, metadata, {tokens: {"config": config, "time_us": 1.0}}, {})
+
+
 @pytest.mark.parametrize("spec", ["tiny", "grouped_bf16"])
 def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
     """The runtime's first launches, in an order unlike the build's (routing pair first), find
     every kernel the build compiled into the package: no compile at first call. Replayed on the
     CPU against a stand-in sm_90 driver (tests/first_launch_replay.py): Triton compiles with the
     ptxas of its wheel and looks kernels up exactly as on the GPU. Two shapes: odd fp32 sizes,
-    and bf16 with grouped, biased routing (tensor descriptors throughout)."""
+    and bf16 with grouped, biased routing (tensor descriptors throughout); the 64-token bucket of
+    each tuned to tail rows."""
     ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file() or subprocess.run([str(ptxas), "--version"], capture_output=True).returncode != 0:
         pytest.skip("no runnable ptxas in this Triton install")
@@ -259,7 +274,9 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
     if spec == "grouped_bf16":
         spec_file = tmp_path / "grouped_bf16.yaml"
         spec_file.write_text(GROUPED_BF16)
+    _tuned_with_tail_rows(spec_file, tmp_path / "tuned", 64)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MOEGEN_TUNED_CONFIG_DIR"] = str(tmp_path / "tuned")
     result = subprocess.run([sys.executable, str(REPO / "tests" / "first_launch_replay.py"), str(spec_file),
                              "64,8,1,4,16"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -269,5 +286,5 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
                for launch in replay["launches"]}
     assert kernels == {"moe_route_align_count", "moe_route_align_place", "moe_route_align", "moe_gate_up",
                        "moe_down_reduce", "moe_decode", "moe_decode_finish"}
-    assert replay["shipped"] > 0
+    assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64]
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
