@@ -91,7 +91,8 @@ SPACE_CASES = [  # (spec, tokens): decode, middle and prefill row blocks of the 
 @pytest.mark.parametrize("spec,tokens", SPACE_CASES)
 def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
     """Every candidate fits the GPU's limits and is distinct; the row blocks include the
-    default's; both ways of reading the weights are tried on Hopper, descriptors never before it."""
+    default's; both ways of reading the weights are tried on Hopper, descriptors never before it;
+    tail rows are tried from 512 tokens on (these shapes expect a row block per expert there)."""
     from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
     from moegen.spec import load_spec
@@ -99,6 +100,7 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
 
     path = REPO / "specs" / f"{spec}.yaml"
     sig = lower(load_spec(path), path).signature
+    tails_tried = set()
     for gpu_name, has_tma in (("h200", True), ("a100", False)):
         gpu = _target(gpu_name)
         starts = space.starting_points(sig, gpu, tokens)
@@ -113,6 +115,12 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             assert bool(tma) == has_tma and down[-1] not in tma
             tried = {c.tma for c in gate_up + down + tma}
             assert tried == ({False, True} if has_tma else {False})
+            tail = space.tail_candidates((tma or down)[-1], sig, gpu, tokens)
+            assert len(set(tail)) == len(tail) and all(violation(c, sig, gpu) is None for c in tail)
+            assert all(0 < c.tail_m < c.block_m for c in tail)
+            tails_tried |= {c.tail_m for c in tail}
+    # Tail rows where experts expect about a block or more, never at decode sizes.
+    assert bool(tails_tried) == (tokens >= 512)
 
 
 def test_descriptor_variants_need_aligned_rows():

@@ -195,21 +195,18 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                     tma_step, tma_time = search.best_of(tma)
                     if tma_time < step_time:
                         step, step_time = tma_step, tma_time
-                tried += len(gate_up) + len(down) + len(tma)
+                # Tail rows per row block: they change which block size pads least.
+                tail = space.tail_candidates(step, ir.signature, gpu, tokens)
+                if tail:
+                    tail_step, tail_time = search.best_of(tail)
+                    if tail_time < step_time:
+                        step, step_time = tail_step, tail_time
+                tried += len(gate_up) + len(down) + len(tma) + len(tail)
                 if step_time < three_kernel_time:
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:
                     best, best_time = step, step_time
                 progress(f"block_m={start.block_m}")
-            tail = space.tail_candidates(three_kernel, ir.signature, gpu, tokens)
-            if tail:
-                step, step_time = search.best_of(tail)
-                tried += len(tail)
-                if step_time < three_kernel_time:
-                    three_kernel, three_kernel_time = step, step_time
-                if step_time < best_time:
-                    best, best_time = step, step_time
-                progress("tail rows")
             decode = space.decode_candidates(three_kernel, ir.signature, gpu, tokens)
             if decode:
                 step, step_time = search.best_of(decode)

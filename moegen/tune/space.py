@@ -70,8 +70,8 @@ def tma_candidates(base: KernelConfig, signature: KernelSignature, target) -> li
 
 
 def tail_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
-    """The best config so far with tail rows, for batches whose experts expect at least 3/4 of a
-    block each (runs just over a block are what a tail saves a padded block on)."""
+    """A row block's best config with tail rows, for batches whose experts expect at least 3/4 of
+    a block each (runs just over a block are what a tail saves a padded block on)."""
     if 4 * tokens * signature.top_k < 3 * base.block_m * signature.num_experts:
         return []
     return [c for c in _keep([replace(base, tail_m=t) for t in TAIL_ROWS], signature, target) if c != base]
