@@ -135,6 +135,14 @@ class _Search:
         best_time, _, best = min(timed)
         return best, best_time
 
+    def improve(self, config: KernelConfig, time_us: float, configs) -> tuple[KernelConfig, float]:
+        """(config, time_us), or the fastest of configs where it is faster."""
+        if configs:
+            best, best_time = self.best_of(configs)
+            if best_time < time_us:
+                return best, best_time
+        return config, time_us
+
 
 def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[Path] = None,
          force: bool = False, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> TuneReport:
@@ -191,16 +199,10 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 down = space.down_candidates(step, ir.signature, gpu)
                 step, step_time = search.best_of(down)
                 tma = space.tma_candidates(step, ir.signature, gpu)
-                if tma:
-                    tma_step, tma_time = search.best_of(tma)
-                    if tma_time < step_time:
-                        step, step_time = tma_step, tma_time
+                step, step_time = search.improve(step, step_time, tma)
                 # Tail rows per row block: they change which block size pads least.
                 tail = space.tail_candidates(step, ir.signature, gpu, tokens)
-                if tail:
-                    tail_step, tail_time = search.best_of(tail)
-                    if tail_time < step_time:
-                        step, step_time = tail_step, tail_time
+                step, step_time = search.improve(step, step_time, tail)
                 tried += len(gate_up) + len(down) + len(tma) + len(tail)
                 if step_time < three_kernel_time:
                     three_kernel, three_kernel_time = step, step_time
@@ -209,10 +211,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 progress(f"block_m={start.block_m}")
             decode = space.decode_candidates(three_kernel, ir.signature, gpu, tokens)
             if decode:
-                step, step_time = search.best_of(decode)
+                best, best_time = search.improve(best, best_time, decode)
                 tried += len(decode)
-                if step_time < best_time:
-                    best, best_time = step, step_time
                 progress("decode kernel")
             if math.isinf(best_time):
                 raise MoegenError(f"no config ran correctly for {tokens} tokens; failures: {list(failures.items())[:3]}")
