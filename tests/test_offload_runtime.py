@@ -42,6 +42,10 @@ def test_offloaded_output_equals_all_resident(package_factory, slots, predictor,
     runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine, device=DEVICE)
     assert runtime.pool_bytes == 3 * slots * plan.expert_bytes <= plan.budget_bytes
     generator = torch.Generator().manual_seed(slots)
+    # Step graphs captured up front (on a GPU) must leave the engine and its tables as they were.
+    runtime.capture(torch.randn(tokens, 40).to(DEVICE), torch.rand(tokens, 2).to(DEVICE),
+                    torch.zeros(tokens, 2, dtype=torch.int64).to(DEVICE))
+    assert runtime.stats.accesses == 0
     for step in range(12):
         for layer in range(3):
             x = torch.randn(tokens, 40, generator=generator).to(DEVICE)
@@ -52,6 +56,7 @@ def test_offloaded_output_equals_all_resident(package_factory, slots, predictor,
             expected = fused.fused_experts(pkg.KERNELS, x, weights, ids, *[w.to(DEVICE) for w in layers[layer]])
             assert ref.relative_error(out, expected) <= 1e-6
     stats = runtime.stats
+    assert (len(runtime.graphs) >= 3) if DEVICE == "cuda" else not runtime.graphs  # per layer (and batch shape)
     if tokens == 1:  # a decode step: one access per routed expert
         assert stats.accesses == 12 * 3 * 2
     assert 0 <= stats.hits <= stats.accesses

@@ -355,18 +355,24 @@ def test_cache_invariants_hold_step_by_step(case):
         assert stats.loads <= lru.stats.loads + case.top_k * len(case.slots)
 
 
-def test_engine_is_deterministic():
+def test_engine_is_deterministic_and_learning_may_come_after_the_launch():
+    """The same loads on every run, and the same when the runtime lets the predictor learn after
+    launching the step's kernels (on_route(learn=False), then learn) instead of inside on_route."""
     routes = _synthetic(7, tokens=80, layers=3, experts=16, top_k=3)
-    case = EngineCase(16, 3, (6, 7, 8), "decayed_lfu", "xlayer", pinned=1, budget=True)
+    case = EngineCase(16, 3, (6, 7, 8), "decayed_lfu", "xlayer", pinned=1)
 
-    def run():
+    def run(split: bool):
         engine, trail = _engine(case, routes), []
         for token in routes:
             for layer, experts in enumerate(token):
-                trail += engine.before_layer(layer) + engine.on_route(layer, experts).loads
-        return trail
+                trail += engine.before_layer(layer) + engine.on_route(layer, experts, learn=not split).loads
+                if split:
+                    engine.learn(layer)
+        return trail, engine.stats.hits
 
-    assert run() == run()
+    trail, hits = run(split=False)
+    assert run(split=False) == (trail, hits) == run(split=True)
+    assert any(load.kind == P.PREFETCH for load in trail)
 
 
 @pytest.mark.parametrize("bad", [

@@ -10,6 +10,10 @@ every token the runtime (or the trace simulator) drives one ``OffloadPolicyEngin
         hits, loads = engine.on_route(layer, experts)   # -> [Load(kind="demand")]: copy, then compute
         # the kernel reads engine.cache(layer).slot_of: expert -> slot (-1: not resident)
 
+A runtime may split on_route: ``on_route(layer, experts, learn=False)`` decides, and
+``learn(layer)`` (after the kernels are launched, off the critical path) lets the predictor learn
+from the routing; the decisions are the same as with one call.
+
 A Load names the slot to copy into and the expert it evicts; engine.stats counts hits, misses,
 prefetch hits, wasted prefetches and bytes moved.
 
@@ -757,8 +761,10 @@ class OffloadPolicyEngine:
         slack = min(1.0, room / (self.slack_fraction * self.budget.loads))
         return self.prefetch_threshold - slack * (self.prefetch_threshold - self.slack_threshold)
 
-    def on_route(self, layer: int, experts: Sequence[int]) -> RouteResult:
-        """The router chose ``experts`` at ``layer``: count hits, load the misses (demand loads)."""
+    def on_route(self, layer: int, experts: Sequence[int], learn: bool = True) -> RouteResult:
+        """The router chose ``experts`` at ``layer``: count hits, load the misses (demand loads).
+        With learn=False the predictor learns only at ``learn(layer)``, which must come before the
+        next prediction."""
         if self._current[layer] is not None:
             self.begin_token()
         cache, policy, step, stats = self.caches[layer], self.policies[layer], self._steps[layer], self.stats
@@ -790,13 +796,18 @@ class OffloadPolicyEngine:
         if self.budget is not None:
             self.budget.record(layer, experts)
         self._current[layer] = tuple(experts)
-        if self.predictor is not None:
-            self.predictor.observe(layer, self.context(), experts)
+        if learn:
+            self.learn(layer)
         # Prefetches for the next step must not evict this step's experts: with lookahead the
         # runtime may issue them while this step is still computing.
         self._protected[layer] = needed
         self._steps[layer] = step + 1
         return RouteResult(hits, loads)
+
+    def learn(self, layer: int) -> None:
+        """The predictor learns from ``layer``'s latest routing (see on_route)."""
+        if self.predictor is not None:
+            self.predictor.observe(layer, self.context(), self._current[layer])
 
     def _load(self, layer: int, expert: int, victim: Optional[int], kind: str) -> Load:
         slot, evicted = self.caches[layer].place(expert, victim)

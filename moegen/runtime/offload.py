@@ -6,7 +6,9 @@ The decisions (hits, demand loads, prefetches, victims) come from the same
 moegen.offload.policies.OffloadPolicyEngine that `moegen simulate` replays traces through.
 Per layer and step: the routing is read back to the host (which experts to load depends on it:
 offloaded decoding synchronizes once per layer by nature); demand misses are copied at once and
-waited for (counted as stall); the kernels run on the pool; then the experts predicted for the
+waited for (counted as stall); the kernels run on the pool, as a CUDA graph per layer for
+decode-sized batches (after the per-layer synchronization the GPU idles until the host has
+launched the step, so the step's launches are the latency); then the experts predicted for the
 layer `lookahead` ahead are prefetched on a side CUDA stream, ordered with events: a prefetch
 into a layer's pool waits for that layer's previous kernels, and the layer's next kernels wait
 for its prefetches.
@@ -14,6 +16,7 @@ for its prefetches.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -25,6 +28,7 @@ from moegen.offload.policies import OffloadPolicyEngine, Predictor
 from moegen.plan.offload import OffloadPlan
 from moegen.runtime import fused
 from moegen.runtime.host_experts import HostExperts
+from moegen.runtime.step_graphs import StepGraphs
 
 
 @dataclass
@@ -32,8 +36,11 @@ class _Pool:
     w13: torch.Tensor  # [slots, 2I, H] on the GPU
     w2: torch.Tensor  # [slots, H, I]
     slot_table: torch.Tensor  # [E] int32 on the GPU: expert -> slot (-1: not resident)
+    staging: torch.Tensor  # [E] int32, pinned: the next table, copied without a synchronization
     done: Optional[torch.cuda.Event] = None  # after this layer's kernels, for prefetch ordering
     landed: Optional[torch.cuda.Event] = None  # after this layer's prefetch copies
+    staged: Optional[torch.cuda.Event] = None  # after the table's copy out of `staging`
+    moved: bool = True  # experts came or went since the table was last published
 
 
 class RouterPredictor(Predictor):
@@ -80,9 +87,11 @@ class OffloadedMoE:
         self.pools = [
             _Pool(torch.empty((slots, 2 * i, h), dtype=dtype, device=self.device),
                   torch.empty((slots, h, i), dtype=dtype, device=self.device),
-                  torch.full((kernels.num_experts,), -1, dtype=torch.int32, device=self.device))
+                  torch.full((kernels.num_experts,), -1, dtype=torch.int32, device=self.device),
+                  torch.empty(kernels.num_experts, dtype=torch.int32, pin_memory=self.on_gpu))
             for slots in plan.slots_per_layer
         ]
+        self.graphs = StepGraphs(self.device)
         self._first_step = True
 
     @property
@@ -95,6 +104,7 @@ class OffloadedMoE:
 
     def _copy(self, load, stream) -> None:
         pool = self.pools[load.layer]
+        pool.moved = True
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             pool.w13[load.slot].copy_(self.host.w13[load.layer][load.expert], non_blocking=self.on_gpu)
             pool.w2[load.slot].copy_(self.host.w2[load.layer][load.expert], non_blocking=self.on_gpu)
@@ -111,6 +121,18 @@ class OffloadedMoE:
         if self.on_gpu:
             pool.landed = torch.cuda.Event()
             pool.landed.record(self.copy_stream)
+
+    def capture(self, hidden_states, topk_weights, topk_ids) -> None:
+        """Capture every layer's step graph for batches shaped like these now, so that serving (or
+        a benchmark) does not pay for the capture at its first token. The engine and the pools'
+        contents are untouched; the captured run reads slot 0 for every expert."""
+        if not self.graphs.enabled:
+            return
+        for layer, pool in enumerate(self.pools):
+            pool.slot_table.zero_()
+            self.graphs(layer, functools.partial(self._experts, pool), hidden_states, topk_weights, topk_ids)
+            pool.moved = True  # the engine's table goes back at the layer's next step
+        torch.cuda.synchronize(self.device)
 
     def begin_sequence(self) -> None:
         """A new sequence starts: predictions must not carry over the previous token."""
@@ -135,7 +157,7 @@ class OffloadedMoE:
         pool = self.pools[layer]
         # A batch step is one access per distinct expert (a decode step: one per routed expert).
         distinct = list(dict.fromkeys(e for token in ids for e in token))
-        demand = self.engine.on_route(layer, distinct).loads
+        demand = self.engine.on_route(layer, distinct, learn=False).loads
         started = time.perf_counter()
         if pool.landed is not None:  # this layer's prefetches must land before its kernels run
             pool.landed.synchronize()
@@ -145,14 +167,32 @@ class OffloadedMoE:
         if demand and self.on_gpu:
             torch.cuda.current_stream(self.device).synchronize()  # a demand miss loads synchronously
         self.stall_s += time.perf_counter() - started
-        pool.slot_table.copy_(torch.tensor(self.engine.cache(layer).slot_of, dtype=torch.int32))
-        slot_ids = pool.slot_table[topk_ids.long()]
-        out = fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_ids, pool.w13, pool.w2)
+        if pool.moved:
+            self._publish_slots(layer)
+        out = self.graphs(layer, functools.partial(self._experts, pool), hidden_states, topk_weights, topk_ids)
         if self.on_gpu:
             pool.done = torch.cuda.Event()
             pool.done.record()
+        self.engine.learn(layer)  # while the kernels run
         self._prefetch((layer + self.lookahead) % self.plan.num_layers, hidden_states)
         return out
+
+
+    def _publish_slots(self, layer: int) -> None:
+        """Copy the engine's expert -> slot table of ``layer`` to the GPU, stream-ordered."""
+        pool = self.pools[layer]
+        if pool.staged is not None:
+            pool.staged.synchronize()  # the previous copy has read the staging buffer
+        pool.staging.copy_(torch.tensor(self.engine.cache(layer).slot_of, dtype=torch.int32))
+        pool.slot_table.copy_(pool.staging, non_blocking=self.on_gpu)
+        if self.on_gpu:
+            pool.staged = torch.cuda.Event()
+            pool.staged.record()
+        pool.moved = False
+
+    def _experts(self, pool: _Pool, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
+        slot_ids = pool.slot_table[topk_ids.long()]
+        return fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_ids, pool.w13, pool.w2)
 
 
 def _chunks_that_fit(ids: list, slots: int) -> list[tuple[int, int]]:

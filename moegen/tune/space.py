@@ -24,12 +24,12 @@ DOWN_MIDDLE = ((256, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 128, 4, 3, 1), (256
 DOWN_COMPUTE = ((128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128, 128, 8, 3, 1),
                 (256, 64, 8, 3, 1), (64, 64, 4, 5, 1))
 # (block_n, block_k, block_h, num_warps, num_stages) of the one-launch decode kernel: wide
-# slices of I and output chunks (fewer atomics) measured best on the H200 for large experts;
-# narrow slices give small experts enough programs to fill the GPU (Qwen3 at one token: 8
-# experts x 768/64 slices = 96 programs for 132 SMs).
+# slices of I and output chunks (fewer atomics) measured best on the H200; the two narrow
+# slices are for experts with few columns of I (on the four H200 shapes they won no bucket:
+# more programs did not beat the per-program latencies, docs/PERFORMANCE.md).
 DECODE = ((64, 128, 256, 4, 3), (128, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 5),
           (128, 64, 128, 8, 4), (128, 128, 256, 4, 3), (64, 128, 512, 4, 3), (64, 128, 256, 4, 4),
-          (32, 128, 256, 4, 4), (32, 256, 256, 4, 3), (32, 128, 512, 4, 4), (16, 256, 256, 4, 4))
+          (32, 128, 256, 4, 4), (16, 256, 256, 4, 4))
 GATE_UP_VARIANTS = {16: GATE_UP_MEMORY, 32: GATE_UP_MEMORY, 64: GATE_UP_MIDDLE, 128: GATE_UP_COMPUTE}
 DOWN_VARIANTS = {16: DOWN_MEMORY, 32: DOWN_MEMORY, 64: DOWN_MIDDLE, 128: DOWN_COMPUTE}
 
