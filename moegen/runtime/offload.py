@@ -177,7 +177,6 @@ class OffloadedMoE:
         self._prefetch((layer + self.lookahead) % self.plan.num_layers, hidden_states)
         return out
 
-
     def _publish_slots(self, layer: int) -> None:
         """Copy the engine's expert -> slot table of ``layer`` to the GPU, stream-ordered."""
         pool = self.pools[layer]
