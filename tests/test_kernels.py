@@ -223,12 +223,13 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, package_factory, m
     assert torch.allclose(flat_weights.gather(1, order.indices), ref_weights.cpu().gather(1, ref_order.indices), rtol=1e-5)
 
 
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tail_m", [0, 16])
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16),
                                                           (150, 4, 1, 32)])
-def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m):
+def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m, ids_dtype):
     generator = torch.Generator().manual_seed(tokens)
-    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(ids_dtype)
     _check_layout(align_tokens(ids, experts, block_m, tail_m), ids.reshape(-1).long(), experts, block_m, tail_m)
 
 

@@ -36,7 +36,7 @@ class Alignment:
 
 def run_rows(counts: torch.Tensor, block_m: int, tail_m: int) -> torch.Tensor:
     """Rows each expert's run takes in the row blocks (the routing kernels' _run_rows)."""
-    padded = (counts + block_m - 1) // block_m * block_m
+    padded = (counts + (block_m - 1)) // block_m * block_m
     if tail_m:
         remainder = counts % block_m
         padded = torch.where((counts > block_m) & (remainder <= tail_m), counts - remainder, padded)
@@ -44,29 +44,30 @@ def run_rows(counts: torch.Tensor, block_m: int, tail_m: int) -> torch.Tensor:
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> Alignment:
+    """The layout for a routing chosen by the caller, in ~20 tensor ops (each a launch, in a CUDA
+    graph too: few ops matter at decode sizes). Experts' runs come from one stable sort: where
+    each expert's slots start is a binary search of the sorted ids."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     max_padded = max_padded_slots(num_slots, num_experts, block_m)
 
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = run_rows(counts, block_m, tail_m)
-    padded_end = padded_counts.cumsum(0)
+    sorted_expert, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device), out_int32=True)
+    count_start = bounds[:-1]
+    padded_counts = run_rows(bounds[1:] - count_start, block_m, tail_m)
+    padded_end = padded_counts.cumsum(0, dtype=torch.int32)
     padded_start = padded_end - padded_counts
-    count_start = counts.cumsum(0) - counts
-
-    order = torch.sort(flat, stable=True).indices
-    sorted_expert = flat[order]
     rank = torch.arange(num_slots, device=device) - count_start[sorted_expert]
-    rows = padded_counts[sorted_expert]
-    tail_row = max_padded + (padded_end[sorted_expert] // block_m - 1) * tail_m + rank - rows
-    destination = torch.where(rank < rows, padded_start[sorted_expert] + rank, tail_row)
+    destination = padded_start[sorted_expert] + rank
+    if tail_m:  # ranks past the run's padded rows go to the tail rows of its last block
+        rows = padded_counts[sorted_expert]
+        tail_row = max_padded + (padded_end[sorted_expert] // block_m - 1) * tail_m + rank - rows
+        destination = torch.where(rank < rows, destination, tail_row)
 
     sorted_slots = torch.full((aligned_rows(max_padded, block_m, tail_m),), num_slots, dtype=torch.int32,
                               device=device)
     sorted_slots.scatter_(0, destination, order.to(torch.int32))
-    block_start = torch.arange(0, max_padded, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
-    return Alignment(sorted_slots, block_expert, padded_end[-1:].to(torch.int32), max_padded, tail_m)
+    block_start = torch.arange(0, max_padded, block_m, dtype=torch.int32, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True, out_int32=True).clamp_(max=num_experts - 1)
+    return Alignment(sorted_slots, block_expert, padded_end[-1:], max_padded, tail_m)
