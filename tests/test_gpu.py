@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from moegen import reference as ref
-from moegen.tune.bench import capture_graph
+from moegen.runtime.step_graphs import capture_graph
 
 pytestmark = [
     pytest.mark.gpu,

@@ -202,7 +202,8 @@ class Ceilings:
 
 def measure_ceilings(torch, device, timer: Timer, smoke: bool) -> Ceilings:
     if timer.cuda:
-        from moegen.tune.bench import capture_graph, measure_ceilings as measure
+        from moegen.runtime.step_graphs import capture_graph
+        from moegen.tune.bench import measure_ceilings as measure
 
         copy_gbps, read_gbps, _, burst_tflops = measure()  # the tuner's figures
         # The GEMM rate again with the timer the kernels get (seconds of back-to-back calls,
@@ -393,7 +394,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
                         "although the package ships compiled kernels (see the cold-start table)")
 
     from moegen.runtime.routing import route
-    from moegen.tune.bench import capture_graph
+    from moegen.runtime.step_graphs import capture_graph
     naive_moe, grouped_mm_moe = make_peers(torch, route)
     rows = []
     for t in args.token_list:

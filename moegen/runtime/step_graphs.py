@@ -8,9 +8,26 @@ and replay. Off the GPU, or for batches above max_tokens, the step runs eagerly.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Optional
 
 import torch
+
+
+def capture_graph(fn: Callable[[], object], warmups: int = 1, pool: Optional[tuple] = None):
+    """(graph, output) of one call of fn captured in a CUDA graph (in ``pool``, a
+    torch.cuda.graph_pool_handle(), when given), after warm-up calls on a side stream
+    (compilation and allocation happen there, outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
 
 
 class StepGraphs:
@@ -43,14 +60,8 @@ class StepGraphs:
 
     def _capture(self, fn, inputs):
         static_inputs = [t.clone() for t in inputs]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm up (compile, allocate) outside the capture
-            fn(*static_inputs)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_out = fn(*static_inputs)
+        with torch.cuda.device(self.device):
+            graph, static_out = capture_graph(lambda: fn(*static_inputs), pool=self._pool)
         return graph, static_inputs, static_out
 
     def __len__(self) -> int:

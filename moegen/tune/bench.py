@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from moegen.runtime.step_graphs import capture_graph
+
 
 def time_cpu(fn: Callable[[], object], repeats: int = 3) -> float:
     """Median wall time in microseconds."""
@@ -18,22 +20,6 @@ def time_cpu(fn: Callable[[], object], repeats: int = 3) -> float:
         fn()
         samples.append((time.perf_counter() - start) * 1e6)
     return statistics.median(samples)
-
-
-def capture_graph(fn: Callable[[], object], warmups: int = 1):
-    """(graph, output) of one call of fn captured in a CUDA graph, after warm-up calls on a side
-    stream (compilation and allocation happen there, outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
 
 
 def time_cuda_graph(fn: Callable[[], object], target_ms: float = 25.0, repeats: int = 5) -> float:
