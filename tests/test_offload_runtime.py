@@ -33,7 +33,8 @@ def _setup(package_factory, slots: int, prefetch: str = "none", policy: str = "l
 
 
 @pytest.mark.parametrize("slots,predictor,tokens", [(2, None, 1), (3, None, 1), (4, "history", 1), (3, "xlayer", 1),
-                                                    (4, "router", 1), (3, None, 5), (2, None, 4)])
+                                                    (3, "neighbors", 1), (4, "router", 1), (3, None, 5), (2, None, 4),
+                                                    (4, "neighbors", 3)])
 def test_offloaded_output_equals_all_resident(package_factory, slots, predictor, tokens):
     pkg, plan, host, layers = _setup(package_factory, slots, prefetch="none" if predictor is None else "history")
     assert plan.offloaded and plan.slots_per_layer == (slots,) * 3

@@ -26,7 +26,7 @@ from moegen.offload.trace import TraceError, load_trace
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 REPO = Path(__file__).resolve().parent.parent
 TINY_SPEC = REPO / "specs" / "tiny.yaml"  # E=6, top-2, 2 layers
-BEST_ONLINE = "xlayer"
+BEST_ONLINE = "neighbors"
 # Any link figures do for hit rates and bytes; these are DeepSeek-V2-Lite's on an H200.
 LINK = LinkModel(expert_bytes=3 * 2048 * 1408 * 2, layer_ms=0.0216, link_gbps=55.0)
 
@@ -48,15 +48,11 @@ class Cell:
     slots: int
     lru: Optional[float] = None  # shared/traces/README.md reference figures (demand fetch)
     belady: Optional[float] = None
-    target_reason: Optional[str] = None  # why the target is expected to fail here (xfail), if it is
 
 
 CELLS = (
     Cell("mixtral-8x7b-gsm8k", 2),
-    Cell("mixtral-8x7b-gsm8k", 4, lru=0.601, belady=0.733,
-         target_reason="Mixtral's expert choice is weakly predictable from earlier layers (244 tokens "
-                       "to learn from, top-2 precision ~0.45): the best online policy closes ~20% of the "
-                       "gap; a router-based predictor of the runtime is needed here"),
+    Cell("mixtral-8x7b-gsm8k", 4, lru=0.601, belady=0.733),
     Cell("deepseek-v2-lite-intent", 16, lru=0.506, belady=0.685),
     Cell("deepseek-v2-lite-law", 16, lru=0.496, belady=0.680),
     Cell("deepseek-v2-lite-intent", 32),
@@ -118,13 +114,7 @@ def test_belady_bounds_every_policy(results, cell):
         assert r.timely_hit_rate <= r.hit_rate, name
 
 
-def _target_cases():
-    for cell in CELLS:
-        marks = [pytest.mark.xfail(strict=True, reason=cell.target_reason)] if cell.target_reason else []
-        yield pytest.param(cell, marks=marks, id=f"{cell.trace}-{cell.slots}")
-
-
-@pytest.mark.parametrize("cell", list(_target_cases()))
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: f"{c.trace}-{c.slots}")
 def test_best_online_policy_closes_half_the_gap_within_lru_bytes(results, cell):
     lru, belady = (results[(cell.trace, cell.slots, name)] for name in ("lru", "belady"))
     best = results[(cell.trace, cell.slots, BEST_ONLINE)]
@@ -258,7 +248,7 @@ class EngineCase:
     top_k: int
     slots: tuple  # per layer
     policy: str
-    predictor: Optional[str] = None  # None, "history", "xlayer", "eager"
+    predictor: Optional[str] = None  # None, "history", "xlayer", "neighbors", "eager"
     pinned: int = 0  # experts pinned per layer
     budget: bool = False
     seed: int = 0
@@ -279,6 +269,9 @@ ENGINE_CASES = (
     EngineCase(16, 4, (8, 6, 10), "decayed_lfu", "xlayer", pinned=2, seed=2),
     EngineCase(16, 4, (8, 8, 8), "belady", None, pinned=2, seed=3),
     EngineCase(16, 2, (4, 5, 6), "lru", "xlayer", budget=True, seed=4),
+    EngineCase(8, 2, (3, 4, 5), "decayed_lfu", "neighbors", budget=True, seed=5),
+    EngineCase(16, 4, (6, 8, 10), "decayed_lfu", "neighbors", pinned=2, seed=6),
+    EngineCase(16, 3, (3, 5, 7), "lru", "neighbors", seed=7),
 )
 
 
@@ -288,7 +281,8 @@ def _engine(case: EngineCase, routes: list) -> P.OffloadPolicyEngine:
               if case.policy == "belady" else case.policy)
     predictor = {None: None, "eager": EagerPredictor(case.experts, case.seed),
                  "history": P.HistoryPredictor(layers, case.experts),
-                 "xlayer": P.CrossLayerPredictor(layers, case.experts, refresh=8)}[case.predictor]
+                 "xlayer": P.CrossLayerPredictor(layers, case.experts, refresh=8),
+                 "neighbors": P.NeighborPredictor(layers, case.experts, window=32)}[case.predictor]
     rng = random.Random(case.seed)
     pinned = [frozenset(rng.sample(range(case.experts), case.pinned)) for _ in range(layers)]
     return P.OffloadPolicyEngine(layers, case.experts, list(case.slots), policy=policy, predictor=predictor,
@@ -355,11 +349,12 @@ def test_cache_invariants_hold_step_by_step(case):
         assert stats.loads <= lru.stats.loads + case.top_k * len(case.slots)
 
 
-def test_engine_is_deterministic_and_learning_may_come_after_the_launch():
+@pytest.mark.parametrize("predictor", ["xlayer", "neighbors"])
+def test_engine_is_deterministic_and_learning_may_come_after_the_launch(predictor):
     """The same loads on every run, and the same when the runtime lets the predictor learn after
     launching the step's kernels (on_route(learn=False), then learn) instead of inside on_route."""
     routes = _synthetic(7, tokens=80, layers=3, experts=16, top_k=3)
-    case = EngineCase(16, 3, (6, 7, 8), "decayed_lfu", "xlayer", pinned=1)
+    case = EngineCase(16, 3, (6, 7, 8), "decayed_lfu", predictor, pinned=1)
 
     def run(split: bool):
         engine, trail = _engine(case, routes), []
@@ -373,6 +368,47 @@ def test_engine_is_deterministic_and_learning_may_come_after_the_launch():
     trail, hits = run(split=False)
     assert run(split=False) == (trail, hits) == run(split=True)
     assert any(load.kind == P.PREFETCH for load in trail)
+
+
+def _word_experts(word: int, layer: int, experts: int = 16, top_k: int = 2) -> tuple:
+    """A 'word' routes the same way at each occurrence; different words share no expert."""
+    return tuple((word * top_k + j + 5 * layer) % experts for j in range(top_k))
+
+
+@pytest.mark.parametrize("window", [64, 5], ids=["window-64", "window-5-wraps"])
+def test_neighbor_predictor_recalls_repeated_tokens_and_what_followed_them(window):
+    """Once a word came before, its experts at the next layers are predicted from its first layer
+    on, and ``later`` names the experts of the word that followed it."""
+    layers, cycle = 4, [0, 1, 2]
+    predictor = P.NeighborPredictor(layers, 16, neighbors=1, window=window)
+    words = cycle * 4
+    for t, word in enumerate(words):
+        context = P.RouteContext([None] * layers, None if t == 0 else [None] * layers)
+        predictor.begin_token(context)
+        for layer in range(layers):
+            if t >= len(cycle) and layer >= 1:
+                ranked = predictor.predict(layer, context)
+                assert {e for e, _ in ranked[:2]} == set(_word_experts(word, layer))
+                later = predictor.later(layer)
+                following = cycle[(cycle.index(word) + 1) % len(cycle)]
+                assert set(sorted(range(16), key=lambda e: -later[e])[:2]) == set(_word_experts(following, layer))
+            context.current[layer] = _word_experts(word, layer)
+            predictor.observe(layer, context, context.current[layer])
+
+
+def test_neighbor_predictor_does_not_follow_into_another_sequence():
+    """The token after a sequence's last one belongs to another sequence: it is no follower."""
+    layers = 3
+    predictor = P.NeighborPredictor(layers, 16, neighbors=1)
+    for t, (word, starts) in enumerate([(2, True), (0, False), (1, True), (0, False)]):
+        context = P.RouteContext([None] * layers, None if starts else [None] * layers)
+        predictor.begin_token(context)
+        for layer in range(layers):
+            context.current[layer] = _word_experts(word, layer)
+            predictor.observe(layer, context, context.current[layer])
+    # Word 0 came last in the first sequence; the only other candidate is the newest token.
+    assert predictor.later(1) is None
+    assert {e for e, _ in predictor.predict(2, context)[:2]} == set(_word_experts(0, 2))
 
 
 @pytest.mark.parametrize("bad", [

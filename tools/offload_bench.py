@@ -21,8 +21,7 @@ from moegen.package import build
 from moegen.plan.offload import plan_offload
 from moegen.runtime import fused
 from moegen.runtime.host_experts import HostExperts
-from moegen.offload.policies import CrossLayerPredictor
-from moegen.offload.engine import engine_for_plan
+from moegen.offload.engine import engine_for_plan, routing_predictor
 from moegen.runtime.offload import OffloadedMoE
 from moegen.runtime.step_graphs import StepGraphs
 from moegen.spec import load_spec
@@ -32,13 +31,15 @@ CASES = (  # spec, trace, MoE layers in the stack, tokens replayed
     ("deepseek-v2-lite", "deepseek-v2-lite-intent.jsonl.gz", 8, 300),
 )
 RESIDENCIES = (0.25, 0.5, 0.75)
-POLICIES = ("lru", "xlayer")  # demand-fetch LRU; decayed LFU + cross-layer prefetch within LRU's bytes
+# Demand-fetch LRU; decayed LFU + nearest-tokens prefetch and eviction, within LRU's bytes (the
+# best online preset of `moegen simulate` on the shared traces).
+POLICIES = ("lru", "neighbors")
 
 
 def engine_for(policy: str, plan):
     if policy == "lru":
         return engine_for_plan(plan, "lru")
-    return engine_for_plan(plan, "decayed_lfu", CrossLayerPredictor(plan.num_layers, plan.num_experts))
+    return engine_for_plan(plan, "decayed_lfu", routing_predictor(policy, plan.num_layers, plan.num_experts))
 
 
 @dataclass

@@ -4,7 +4,9 @@ Prints, per trace: the leave-one-out precision of the best top-k guess for a lay
 given (a) the same token's experts at the layer before, (b) the previous token's experts at
 the same layer, (c) nothing (layer popularity), all fitted on the whole trace (an upper bound
 for predictors of that feature); then the simulator's hit rate and bytes when the engine
-prefetches with (a) fitted offline, next to LRU, Belady and the best online preset (xlayer).
+prefetches with (a) fitted offline, next to LRU, Belady, the cross-layer preset (xlayer, which
+learns (a) online) and the best online preset (neighbors: the nearest earlier tokens over all
+layers routed so far, and what followed them).
 
     PYTHONPATH=. python3 tools/trace_predictability.py ../shared/traces/mixtral-8x7b-gsm8k.jsonl.gz \
         specs/mixtral-8x7b.yaml 4
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
           f"previous token {loo_precision(x, lambda t, l: tuple(sorted(x[t - 1, l])) if t else ()):.3f}, "
           f"popularity {loo_precision(x, lambda t, l: 0):.3f}")
     link = sim.link_model(load_spec(args.spec))
-    results = {name: sim.simulate(trace, args.slots, name, link) for name in ("lru", "belady", "xlayer")}
+    results = {name: sim.simulate(trace, args.slots, name, link) for name in ("lru", "belady", "xlayer", "neighbors")}
     results["fitted previous layer (offline)"] = sim.simulate(
         trace, args.slots, "xlayer", link, predictor=FittedPreviousLayer(x))
     lru, belady = results["lru"].hit_rate, results["belady"].hit_rate

@@ -3,13 +3,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moegen.offload.policies import CrossLayerPredictor, HistoryPredictor, OffloadPolicyEngine, Predictor
+from moegen.offload.policies import (
+    CrossLayerPredictor,
+    HistoryPredictor,
+    NeighborPredictor,
+    OffloadPolicyEngine,
+    Predictor,
+)
 
 # The predictor of each spec `offload.prefetch` mode that needs nothing but the routing seen so
 # far. The runtime's router predictor needs hidden states, which a trace lacks: in a trace
 # replay the cross-layer predictor (learned from the routing alone) stands in for it.
 ROUTING_PREDICTORS = {"none": None, "history": HistoryPredictor, "router": CrossLayerPredictor,
-                    "xlayer": CrossLayerPredictor}
+                    "xlayer": CrossLayerPredictor, "neighbors": NeighborPredictor}
 
 
 def engine_for_plan(plan, policy: Optional[str] = None, predictor: Optional[Predictor] = None,

@@ -30,20 +30,18 @@ token and layer by layer exactly as the runtime would, and measures:
 Presets: ``lru``, ``lfu``, ``pinned_lru`` (pins each layer's most used experts of the trace, an
 offline activation profile, so online=False when any are pinned), ``belady`` (offline optimum for
 demand fetch; prefetching policies can exceed its hit rate, never its byte count), and
-``decayed_lfu`` (two-timescale frequency, demand fetch), ``history`` and ``xlayer`` (decayed_lfu
-plus prefetch from the history or the cross-layer predictor, within LRU's byte budget).
+``decayed_lfu`` (two-timescale frequency, demand fetch), ``history``, ``xlayer`` and ``neighbors``
+(decayed_lfu plus prefetch from the history, the cross-layer or the nearest-tokens predictor,
+within LRU's byte budget; the nearest-tokens one also tells the evictions what the next token
+will likely need).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from moegen.offload.policies import (
-    CrossLayerPredictor,
-    HistoryPredictor,
-    OffloadPolicyEngine,
-    belady_factory,
-)
+from moegen.offload.engine import ROUTING_PREDICTORS
+from moegen.offload.policies import OffloadPolicyEngine, belady_factory
 from moegen.offload.trace import Trace
 
 @dataclass(frozen=True)
@@ -123,14 +121,13 @@ def _engine_args(name: str, trace: Trace) -> dict:
     if name == "belady":
         accesses = [trace.experts[:, layer, :].tolist() for layer in range(L)]
         return {"policy": belady_factory(E, accesses)}
-    if name == "history":
-        return {"policy": "decayed_lfu", "predictor": HistoryPredictor(L, E), "byte_budget": "lru"}
-    if name == "xlayer":
-        return {"policy": "decayed_lfu", "predictor": CrossLayerPredictor(L, E), "byte_budget": "lru"}
+    if name in PREFETCHING:
+        return {"policy": "decayed_lfu", "predictor": ROUTING_PREDICTORS[name](L, E), "byte_budget": "lru"}
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(PRESETS)}")
 
 
-PRESETS = ("lru", "lfu", "pinned_lru", "belady", "decayed_lfu", "history", "xlayer")
+PREFETCHING = ("history", "xlayer", "neighbors")  # decayed_lfu + that predictor, within LRU's bytes
+PRESETS = ("lru", "lfu", "pinned_lru", "belady", "decayed_lfu") + PREFETCHING
 REQUIRED = ("lru", "belady")  # the reference points every report includes
 
 
