@@ -32,11 +32,13 @@ def _setup(package_factory, slots: int, prefetch: str = "none", policy: str = "l
     return pkg, plan, HostExperts.from_tensors(layers), layers
 
 
-@pytest.mark.parametrize("slots,predictor,tokens", [(2, None, 1), (3, None, 1), (4, "history", 1), (3, "xlayer", 1),
-                                                    (3, "neighbors", 1), (4, "router", 1), (3, None, 5), (2, None, 4),
-                                                    (4, "neighbors", 3)])
-def test_offloaded_output_equals_all_resident(package_factory, slots, predictor, tokens):
-    pkg, plan, host, layers = _setup(package_factory, slots, prefetch="none" if predictor is None else "history")
+@pytest.mark.parametrize("slots,predictor,tokens,policy", [
+    (2, None, 1, "lru"), (3, None, 1, "lru"), (4, "history", 1, "lru"), (3, "xlayer", 1, "lru"),
+    (3, "neighbors", 1, "decayed_lfu"), (4, "router", 1, "lru"), (3, None, 5, "lru"), (2, None, 4, "lru"),
+    (4, "neighbors", 3, "neighbor_lfu"), (3, None, 1, "neighbor_lfu")])
+def test_offloaded_output_equals_all_resident(package_factory, slots, predictor, tokens, policy):
+    pkg, plan, host, layers = _setup(package_factory, slots, prefetch="none" if predictor is None else "history",
+                                     policy=policy)
     assert plan.offloaded and plan.slots_per_layer == (slots,) * 3
     routers = [torch.randn(6, 40) for _ in range(3)]
     engine = engine_for_plan(plan, predictor=runtime_predictor(predictor, plan, routers) if predictor else None)

@@ -58,7 +58,7 @@ CELLS = (
     Cell("deepseek-v2-lite-intent", 32),
     Cell("deepseek-v2-lite-law", 32),
 )
-DEMAND_ONLINE = ("lru", "lfu", "decayed_lfu")  # online policies without prefetch
+DEMAND_ONLINE = ("lru", "lfu", "decayed_lfu", "neighbor_lfu")  # online policies without prefetch
 
 
 def _jobs() -> list:
@@ -121,6 +121,17 @@ def test_best_online_policy_closes_half_the_gap_within_lru_bytes(results, cell):
     assert best.online
     assert best.bytes <= lru.bytes
     assert best.hit_rate >= lru.hit_rate + 0.5 * (belady.hit_rate - lru.hit_rate)
+
+
+def test_nearest_tokens_guide_evictions_to_fewer_bytes():
+    """neighbor_lfu: the nearest-tokens predictor's view of the next token (``later``) makes decayed
+    LFU's evictions move fewer bytes than LRU's and than decayed LFU's alone (Mixtral, 4 of 8
+    slots: 0.918, 1.000 and 0.966 of LRU's bytes), without prefetching."""
+    trace = load_trace(_trace_path("mixtral-8x7b-gsm8k"))
+    guided, lru, alone = (simulate(trace, 4, name, LINK) for name in ("neighbor_lfu", "lru", "decayed_lfu"))
+    assert guided.prefetch_loads == 0 and guided.online
+    assert guided.bytes < 0.95 * lru.bytes and guided.bytes < alone.bytes
+    assert guided.hit_rate > alone.hit_rate > lru.hit_rate
 
 
 def test_real_traces_load():
@@ -272,6 +283,8 @@ ENGINE_CASES = (
     EngineCase(8, 2, (3, 4, 5), "decayed_lfu", "neighbors", budget=True, seed=5),
     EngineCase(16, 4, (6, 8, 10), "decayed_lfu", "neighbors", pinned=2, seed=6),
     EngineCase(16, 3, (3, 5, 7), "lru", "neighbors", seed=7),
+    EngineCase(16, 3, (4, 6, 8), "neighbor_lfu", None, pinned=1, seed=8),
+    EngineCase(16, 3, (4, 6, 8), "neighbor_lfu", "xlayer", budget=True, seed=9),
 )
 
 
@@ -341,6 +354,8 @@ def test_cache_invariants_hold_step_by_step(case):
     assert stats.wasted_prefetches + stats.prefetch_hits == prefetches
     if case.predictor == "eager":
         assert prefetches > 0
+    if case.predictor is None:
+        assert prefetches == 0
     if case.budget:  # prefetching within LRU's byte budget: never more loads than demand LRU
         lru = P.OffloadPolicyEngine(len(case.slots), case.experts, list(case.slots), policy="lru")
         for token in routes:

@@ -31,15 +31,15 @@ CASES = (  # spec, trace, MoE layers in the stack, tokens replayed
     ("deepseek-v2-lite", "deepseek-v2-lite-intent.jsonl.gz", 8, 300),
 )
 RESIDENCIES = (0.25, 0.5, 0.75)
-# Demand-fetch LRU; decayed LFU + nearest-tokens prefetch and eviction, within LRU's bytes (the
-# best online preset of `moegen simulate` on the shared traces).
-POLICIES = ("lru", "neighbors")
+# name: (eviction policy, prefetch predictor). Demand-fetch LRU; decayed LFU with the
+# nearest-tokens prefetch within LRU's bytes (the best hit rate of `moegen simulate` on the shared
+# traces); the same predictor guiding the evictions only (the fewest bytes: link-bound stacks).
+POLICIES = {"lru": ("lru", "none"), "neighbors": ("decayed_lfu", "neighbors"), "neighbor_lfu": ("neighbor_lfu", "none")}
 
 
 def engine_for(policy: str, plan):
-    if policy == "lru":
-        return engine_for_plan(plan, "lru")
-    return engine_for_plan(plan, "decayed_lfu", routing_predictor(policy, plan.num_layers, plan.num_experts))
+    evict, predictor = POLICIES[policy]
+    return engine_for_plan(plan, evict, routing_predictor(predictor, plan.num_layers, plan.num_experts))
 
 
 @dataclass
@@ -95,7 +95,7 @@ def _decode(step, tokens: int, layers: int, on_sequence_start=None, seq=None) ->
 
 
 def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build_dir: Path,
-               policies: tuple[str, ...] = POLICIES) -> list[OffloadRow]:
+               policies: tuple[str, ...] = tuple(POLICIES)) -> list[OffloadRow]:
     spec_path = Path(__file__).resolve().parent.parent / "specs" / f"{spec_name}.yaml"
     with knobs.scope(MOEGEN_PRECOMPILE="0"):  # cold start is measured elsewhere; save the compile
         pkg = load(build(spec_path, build_dir)[0])

@@ -24,11 +24,14 @@ latest step used (it may still be computing when the runtime prefetches far ahea
 its expert until that expert is evicted, so slot indices are stable for resident experts.
 
 Eviction policies (one instance per layer; ``POLICIES`` by name): ``lru``, ``lfu``, ``pinned_lru``,
-``decayed_lfu`` (two-timescale decayed frequency, aware of predictions), ``belady`` (offline: needs
-the future accesses). Predictors (``predict(layer, context) -> [(expert, probability)]`` best
-first): ``HistoryPredictor`` (recency and frequency), ``CrossLayerPredictor`` (learned online: which
-experts follow the experts this token chose at the layers before). A router-based predictor of the
-runtime plugs into the same interface; ``ScoreCalibrator`` turns its raw scores into
+``decayed_lfu`` (two-timescale decayed frequency, aware of predictions), ``neighbor_lfu`` (decayed
+LFU that keeps what the next token will likely need, from the nearest-tokens predictor),
+``belady`` (offline: needs the future accesses). Predictors (``predict(layer, context) ->
+[(expert, probability)]`` best first): ``HistoryPredictor`` (recency and frequency),
+``CrossLayerPredictor`` (learned online: which experts follow the experts this token chose at the
+layers before), ``NeighborPredictor`` (the earlier tokens that routed most like this one so far;
+its ``later`` also tells the evictions what the next token will likely need). A router-based
+predictor of the runtime plugs into the same interface; ``ScoreCalibrator`` turns its raw scores into
 probabilities. Everything here is deterministic and torch-free; caches, policies and the engine
 are plain Python, the predictors keep their tables in numpy.
 """
@@ -274,6 +277,15 @@ class DecayedLfu(EvictionPolicy):
         return chance[expert] + self.value(expert, step)
 
 
+class NeighborLfu(DecayedLfu):
+    """Decayed LFU whose evictions also keep what the next token will likely need at the layer,
+    as the engine's NeighborPredictor (the ``advisor``) expects from the tokens that followed the
+    nearest earlier ones: no prefetch, fewest bytes. The engine passes that expectation as the
+    ``chance`` that DecayedLfu adds to an expert's value."""
+
+    name = "neighbor_lfu"
+
+
 class Belady(EvictionPolicy):
     """Offline optimum for demand fetching: evict the expert whose next use is farthest away.
     Needs this layer's whole access sequence, ``accesses[step]`` = the experts of that step."""
@@ -298,7 +310,7 @@ class Belady(EvictionPolicy):
         return [-self.next_use(e, step) for e in candidates]
 
 
-POLICIES: dict = {cls.name: cls for cls in (Lru, Lfu, PinnedLru, DecayedLfu)}
+POLICIES: dict = {cls.name: cls for cls in (Lru, Lfu, PinnedLru, DecayedLfu, NeighborLfu)}
 ONLINE_POLICIES = tuple(POLICIES)
 
 
@@ -639,7 +651,8 @@ class NeighborPredictor(_CalibratedPredictor):
         """Similarity-weighted share of ``voters`` (ring positions) choosing each expert at
         ``layer``; the weights are the similarities at ``positions``."""
         weight = self._similarity[positions] + 1e-3
-        return self._chose[layer][:, voters] @ weight / weight.sum()
+        # Elementwise, not a matrix product: a BLAS call for a few columns costs more than it does.
+        return (self._chose[layer][:, voters] * (weight / weight.sum())).sum(axis=1)
 
     def predict(self, layer, context):
         nearest = self._ranking()[: self.neighbors]
@@ -664,6 +677,10 @@ class NeighborPredictor(_CalibratedPredictor):
         for e in set(experts):
             self._similarity += chose[e]
         self._nearest, self._later = None, (None, None)
+        if layer + 1 < len(self._routed):
+            # Ready before the next layer's routing: a runtime learns after launching the step's
+            # kernels, so this runs while they do, not between routing and the next launch.
+            self.later(layer + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -745,6 +762,8 @@ class OffloadPolicyEngine:
         (``slack_fraction`` of LRU's loads and more; linear in between): bytes the eviction saved
         buy speculative prefetches, a tight budget only the surest ones.
     byte_budget: None, or "lru": prefetch only while the total loads stay within demand LRU's.
+    The evictions weigh the ``later`` (what the next token will likely need) of the predictor, or
+    for policy ``neighbor_lfu`` of a NeighborPredictor of its own when the predictor is not one.
     """
 
     def __init__(self, num_layers: int, num_experts: int, slots_per_layer: Union[int, Sequence[int]],
@@ -765,6 +784,10 @@ class OffloadPolicyEngine:
         make = policy_factory(policy, num_experts) if isinstance(policy, str) else policy
         self.policies = [make(layer) for layer in range(num_layers)]
         self.predictor = predictor
+        self.advisor = predictor  # whose `later` the evictions weigh
+        if policy == NeighborLfu.name and not isinstance(predictor, NeighborPredictor):
+            self.advisor = NeighborPredictor(num_layers, num_experts)
+        self._learners = [p for p in dict.fromkeys((predictor, self.advisor)) if p is not None]
         self.prefetch_threshold, self.slack_threshold = prefetch_threshold, slack_threshold
         self.slack_fraction = slack_fraction
         if byte_budget not in (None, "lru"):
@@ -780,7 +803,7 @@ class OffloadPolicyEngine:
 
     @property
     def online(self) -> bool:
-        return all(p.online for p in self.policies) and (self.predictor is None or self.predictor.online)
+        return all(p.online for p in self.policies) and all(p.online for p in self._learners)
 
     def cache(self, layer: int) -> LayerCache:
         return self.caches[layer]
@@ -794,8 +817,8 @@ class OffloadPolicyEngine:
             self._previous = None
         self._current = [None] * self.num_layers
         self._context = RouteContext(self._current, self._previous)
-        if self.predictor is not None:
-            self.predictor.begin_token(self._context)
+        for learner in self._learners:
+            learner.begin_token(self._context)
 
     def context(self, hidden=None) -> RouteContext:
         """What is known about the current token (one object per token, updated as it is routed)."""
@@ -898,12 +921,12 @@ class OffloadPolicyEngine:
 
     def _later(self, layer: int) -> Optional[Sequence[float]]:
         """The predictor's chances that the next token needs each expert at ``layer``, if any."""
-        return self.predictor.later(layer) if self.predictor is not None else None
+        return self.advisor.later(layer) if self.advisor is not None else None
 
     def learn(self, layer: int) -> None:
         """The predictor learns from ``layer``'s latest routing (see on_route)."""
-        if self.predictor is not None:
-            self.predictor.observe(layer, self.context(), self._current[layer])
+        for learner in self._learners:
+            learner.observe(layer, self.context(), self._current[layer])
 
     def _load(self, layer: int, expert: int, victim: Optional[int], kind: str) -> Load:
         slot, evicted = self.caches[layer].place(expert, victim)

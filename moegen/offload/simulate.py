@@ -30,7 +30,9 @@ token and layer by layer exactly as the runtime would, and measures:
 Presets: ``lru``, ``lfu``, ``pinned_lru`` (pins each layer's most used experts of the trace, an
 offline activation profile, so online=False when any are pinned), ``belady`` (offline optimum for
 demand fetch; prefetching policies can exceed its hit rate, never its byte count), and
-``decayed_lfu`` (two-timescale frequency, demand fetch), ``history``, ``xlayer`` and ``neighbors``
+``decayed_lfu`` (two-timescale frequency, demand fetch), ``neighbor_lfu`` (decayed_lfu keeping
+what the nearest-tokens predictor expects the next token to need, demand fetch: fewest bytes),
+``history``, ``xlayer`` and ``neighbors``
 (decayed_lfu plus prefetch from the history, the cross-layer or the nearest-tokens predictor,
 within LRU's byte budget; the nearest-tokens one also tells the evictions what the next token
 will likely need).
@@ -114,7 +116,7 @@ def popular_experts(trace: Trace, per_layer: int) -> list:
 
 def _engine_args(name: str, trace: Trace) -> dict:
     L, E = trace.num_layers, trace.num_experts
-    if name in ("lru", "lfu", "decayed_lfu"):
+    if name in ("lru", "lfu", "decayed_lfu", "neighbor_lfu"):
         return {"policy": name}
     if name == "pinned_lru":
         return {"policy": "pinned_lru", "pinned": "popular"}
@@ -127,7 +129,7 @@ def _engine_args(name: str, trace: Trace) -> dict:
 
 
 PREFETCHING = ("history", "xlayer", "neighbors")  # decayed_lfu + that predictor, within LRU's bytes
-PRESETS = ("lru", "lfu", "pinned_lru", "belady", "decayed_lfu") + PREFETCHING
+PRESETS = ("lru", "lfu", "pinned_lru", "belady", "decayed_lfu", "neighbor_lfu") + PREFETCHING
 REQUIRED = ("lru", "belady")  # the reference points every report includes
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
 DTYPES = ("bfloat16", "float16", "float32")
-OFFLOAD_POLICIES = ("lru", "lfu", "pinned_lru", "decayed_lfu")
+OFFLOAD_POLICIES = ("lru", "lfu", "pinned_lru", "decayed_lfu", "neighbor_lfu")
 PREFETCH_MODES = ("none", "router", "history", "xlayer", "neighbors")
 DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
