@@ -32,10 +32,9 @@ offline activation profile, so online=False when any are pinned), ``belady`` (of
 demand fetch; prefetching policies can exceed its hit rate, never its byte count), and
 ``decayed_lfu`` (two-timescale frequency, demand fetch), ``neighbor_lfu`` (decayed_lfu keeping
 what the nearest-tokens predictor expects the next token to need, demand fetch: fewest bytes),
-``history``, ``xlayer`` and ``neighbors``
-(decayed_lfu plus prefetch from the history, the cross-layer or the nearest-tokens predictor,
-within LRU's byte budget; the nearest-tokens one also tells the evictions what the next token
-will likely need).
+``history``, ``xlayer`` and ``neighbors`` (decayed_lfu plus prefetch from the history, the
+cross-layer or the nearest-tokens predictor, within LRU's byte budget; the nearest-tokens one
+also tells the evictions what the next token will likely need).
 """
 from __future__ import annotations
 
