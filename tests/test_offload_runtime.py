@@ -65,6 +65,7 @@ def test_offloaded_output_equals_all_resident(package_factory, slots, predictor,
     assert 0 <= stats.hits <= stats.accesses
     if slots < 6:
         assert stats.demand_loads > 0
+        assert runtime.stall_s > 0  # the steps waited for their demand copies (GPU: timed by events)
 
 
 def test_router_prefetch_brings_experts_in_before_their_layer(package_factory):

@@ -5,13 +5,15 @@ fused kernels straight into the pool (no weights gathered into a per-step tensor
 The decisions (hits, demand loads, prefetches, victims) come from the same
 moegen.offload.policies.OffloadPolicyEngine that `moegen simulate` replays traces through.
 Per layer and step: the routing is read back to the host (which experts to load depends on it:
-offloaded decoding synchronizes once per layer by nature); demand misses are copied at once and
-waited for (counted as stall); the kernels run on the pool, as a CUDA graph per layer for
-decode-sized batches (after the per-layer synchronization the GPU idles until the host has
-launched the step, so the step's launches are the latency); then the experts predicted for the
-layer `lookahead` ahead are prefetched on a side CUDA stream, ordered with events: a prefetch
-into a layer's pool waits for that layer's previous kernels, and the layer's next kernels wait
-for its prefetches.
+offloaded decoding synchronizes once per layer by nature); demand misses are copied at once on
+the compute stream, so the step's kernels, launched right behind them, wait for them on the GPU
+and the host's remaining work (the slot table, the launch) overlaps the copies; the kernels run
+on the pool, as a CUDA graph per layer for decode-sized batches (after the per-layer
+synchronization the GPU idles until the host has launched the step, so the step's launches are
+the latency); then the experts predicted for the layer `lookahead` ahead are prefetched on a
+side CUDA stream, ordered with events: a prefetch into a layer's pool waits for that layer's
+previous kernels, and the layer's next copies and kernels wait for its prefetches. The stall
+(time the kernels waited for copies) is measured on the GPU by timing events around the waits.
 """
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ class OffloadedMoE:
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
         self.lookahead = max(1, plan.lookahead)
-        self.stall_s = 0.0  # host time blocked on demand loads and late prefetches
+        self._stall_s = 0.0  # waits for copies resolved so far
+        self._stall_marks: list = []  # (start, end) timing events around a step's waits, not yet read
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         h, i, dtype = kernels.hidden_size, kernels.intermediate_size, kernels.dtype
         self.pools = [
@@ -97,6 +100,22 @@ class OffloadedMoE:
     @property
     def stats(self):
         return self.engine.stats
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds the steps waited for expert copies (demand loads, prefetches not yet landed):
+        on the GPU the time between events around the waits, read once they have completed."""
+        self._read_stall_marks()
+        return self._stall_s
+
+    def _read_stall_marks(self) -> None:
+        pending = []
+        for start, end in self._stall_marks:
+            if end.query():
+                self._stall_s += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        self._stall_marks = pending
 
     @property
     def pool_bytes(self) -> int:
@@ -158,15 +177,25 @@ class OffloadedMoE:
         # A batch step is one access per distinct expert (a decode step: one per routed expert).
         distinct = list(dict.fromkeys(e for token in ids for e in token))
         demand = self.engine.on_route(layer, distinct, learn=False).loads
-        started = time.perf_counter()
-        if pool.landed is not None:  # this layer's prefetches must land before its kernels run
-            pool.landed.synchronize()
-            pool.landed = None
-        for load in demand:
-            self._copy(load, None)
-        if demand and self.on_gpu:
-            torch.cuda.current_stream(self.device).synchronize()  # a demand miss loads synchronously
-        self.stall_s += time.perf_counter() - started
+        if self.on_gpu:
+            if demand or pool.landed is not None:
+                stream = torch.cuda.current_stream(self.device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                if pool.landed is not None:  # its prefetches land before a demand copy may reuse a slot
+                    stream.wait_event(pool.landed)
+                    pool.landed = None
+                for load in demand:  # on the compute stream: the kernels below run after them
+                    self._copy(load, None)
+                end.record(stream)
+                self._stall_marks.append((start, end))
+                if len(self._stall_marks) >= 64:  # the per-layer synchronization completed most
+                    self._read_stall_marks()
+        else:
+            started = time.perf_counter()
+            for load in demand:  # synchronous on the CPU
+                self._copy(load, None)
+            self._stall_s += time.perf_counter() - started
         if pool.moved:
             self._publish_slots(layer)
         out = self.graphs(layer, functools.partial(self._experts, pool), hidden_states, topk_weights, topk_ids)
