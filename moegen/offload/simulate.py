@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from moegen.offload.engine import ROUTING_PREDICTORS
-from moegen.offload.policies import OffloadPolicyEngine, belady_factory
+from moegen.offload.policies import POLICIES, OffloadPolicyEngine, belady_factory
 from moegen.offload.trace import Trace
 
 @dataclass(frozen=True)
@@ -115,10 +115,10 @@ def popular_experts(trace: Trace, per_layer: int) -> list:
 
 def _engine_args(name: str, trace: Trace) -> dict:
     L, E = trace.num_layers, trace.num_experts
-    if name in ("lru", "lfu", "decayed_lfu", "neighbor_lfu"):
-        return {"policy": name}
     if name == "pinned_lru":
         return {"policy": "pinned_lru", "pinned": "popular"}
+    if name in POLICIES:  # the other eviction policies, demand fetch
+        return {"policy": name}
     if name == "belady":
         accesses = [trace.experts[:, layer, :].tolist() for layer in range(L)]
         return {"policy": belady_factory(E, accesses)}
