@@ -18,7 +18,9 @@
    timed, as serving engines run them (the naive loop synchronizes with the host, so it runs
    eagerly).
    Floor = max(bytes of the distinct experts this routing touches + activations in and out) /
-   HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2.
+   HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2. For memory-bound cells also
+   the read-only bound: one launch of the streaming-read kernel over exactly the floor's bytes,
+   timed as moegen is, i.e. what any single kernel that only reads those bytes can reach.
 4. Records the first fused_moe call after import per spec and bucket (from an empty Triton
    cache unless --warm-triton-cache: a build on the target GPU ships compiled kernels) and the
    kernels Triton compiled during it: any, for a package that ships them, is a failure.
@@ -300,6 +302,7 @@ class Row:
     bound: str
     touched: int
     results: dict = field(default_factory=dict)
+    read_us: Optional[float] = None  # one streaming-read launch over the floor's bytes
 
 
 @dataclass
@@ -401,9 +404,12 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
         x, logits = inputs(t)
         _, ids = route(logits, p, bias)
         touched = int(torch.unique(ids).numel())
-        mem_s = (touched * 3 * h * inter * elt + 2 * t * h * elt) / (ceil.hbm_gbps * 1e9)
+        floor_bytes = touched * 3 * h * inter * elt + 2 * t * h * elt
+        mem_s = floor_bytes / (ceil.hbm_gbps * 1e9)
         flop_s = 6 * t * k * h * inter / (ceil.gemm_tflops * 1e12)
         row = Row(spec_name, t, max(mem_s, flop_s) * 1e6, "memory" if mem_s >= flop_s else "compute", touched)
+        if timer.cuda and row.bound == "memory":
+            row.read_us = read_only_us(torch, device, timer, floor_bytes)
         expected = (ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
                     if t <= REFERENCE_MAX_TOKENS else None)
         calls = {
@@ -463,6 +469,26 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     return cold, rows, problems
 
 
+def read_only_us(torch, device, timer: Timer, nbytes: int) -> float:
+    """One launch of the streaming-read kernel over nbytes, as a CUDA-graph replay with L2 evicted
+    first: the launch, ramp-up and drain that any single kernel reading those bytes pays."""
+    from moegen.runtime.step_graphs import capture_graph
+    from moegen.tune.bench import streaming_read_kernel
+
+    kernel = streaming_read_kernel()
+    numel = nbytes // 2
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device)  # contents do not matter
+    # 16 programs per SM of 4096-element loads: the fastest of 1-16 per SM, 2048-8192 elements
+    # and 4 or 8 warps at 75 MB, 100 MB and 4 GiB on the H200.
+    programs = torch.cuda.get_device_properties(device).multi_processor_count * 16
+    partial = torch.empty(programs, dtype=torch.float32, device=device)
+    graph, _ = capture_graph(lambda: kernel[(programs,)](src, partial, numel, BLOCK=4096, num_warps=8))
+    us = timer.median_us(graph.replay)
+    del graph, src
+    torch.cuda.empty_cache()
+    return us
+
+
 # ---------------------------------------------------------------------------------------------
 # Formatting
 # ---------------------------------------------------------------------------------------------
@@ -488,14 +514,16 @@ def cells(res: Optional[Measured], floor_us: float) -> tuple[str, str]:
 
 
 def results_table(rows: list[Row]) -> list[str]:
-    out = ["| spec | T | moegen us | %floor | naive us | %floor | grouped_mm us | %floor | floor us | bound | err |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    out = ["| spec | T | moegen us | %floor | naive us | %floor | grouped_mm us | %floor | floor us | bound "
+           "| read-only us | %floor | err |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for row in rows:
         parts = [row.spec, str(row.tokens)]
         for name in IMPLS:
             parts.extend(cells(row.results.get(name), row.floor_us))
         errs = " / ".join(fmt_err(row.results[n].err) if n in row.results else "-" for n in IMPLS)
-        parts += [fmt_us(row.floor_us), row.bound, errs]
+        read = ((fmt_us(row.read_us), f"{100 * row.floor_us / row.read_us:.0f}%") if row.read_us else ("-", "-"))
+        parts += [fmt_us(row.floor_us), row.bound, *read, errs]
         out.append("| " + " | ".join(parts) + " |")
     return out
 
@@ -594,6 +622,8 @@ def main(argv=None) -> int:
            "synchronizes with the host); L2 evicted before each call"))
     say("- %floor: floor / time (100% = at the roofline floor); floor = max((distinct experts touched "
         "x 3*H*I + 2*T*H) bytes / bandwidth, 6*T*k*H*I FLOPs / GEMM rate), with the measured ceilings")
+    say("- read-only: memory-bound cells only, one launch of the streaming-read kernel over exactly the "
+        "floor's bytes, timed as moegen: the most a single kernel that only reads those bytes reaches")
     say(f"- err: relative Frobenius error vs the float64 reference, moegen / naive / grouped_mm; "
         f"checked for T <= {REFERENCE_MAX_TOKENS} only ('-' above: the reference is too slow there); "
         "**WRONG**: above the dtype's tolerance or not finite")

@@ -48,7 +48,7 @@ def time_call(fn: Callable[[], object], on_gpu: bool) -> float:
     return time_cuda_graph(fn) if on_gpu else time_cpu(fn)
 
 
-def _streaming_read_kernel():
+def streaming_read_kernel():
     import triton
     import triton.language as tl
 
@@ -74,7 +74,7 @@ def measure_ceilings(device: str = "cuda") -> tuple[float, float, float, float]:
     dst = torch.empty_like(src)
     copy_us = time_cuda_graph(lambda: dst.copy_(src), target_ms=60)
     del dst
-    kernel = _streaming_read_kernel()
+    kernel = streaming_read_kernel()
     programs = torch.cuda.get_device_properties(device).multi_processor_count * 8
     partial = torch.empty(programs, device=device, dtype=torch.float32)
     read_us = time_cuda_graph(lambda: kernel[(programs,)](src, partial, numel, BLOCK=4096, num_warps=8),
