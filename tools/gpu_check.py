@@ -19,8 +19,8 @@
    eagerly).
    Floor = max(bytes of the distinct experts this routing touches + activations in and out) /
    HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2. For memory-bound cells also
-   the read-only bound: one launch of the streaming-read kernel over exactly the floor's bytes,
-   timed as moegen is, i.e. what any single kernel that only reads those bytes can reach.
+   the read-only bound: one launch of the streaming-read kernel (its fastest launch settings)
+   over exactly the floor's bytes, timed as moegen is: a kernel that does nothing but read them.
 4. Records the first fused_moe call after import per spec and bucket (from an empty Triton
    cache unless --warm-triton-cache: a build on the target GPU ships compiled kernels) and the
    kernels Triton compiled during it: any, for a package that ships them, is a failure.
@@ -623,7 +623,7 @@ def main(argv=None) -> int:
     say("- %floor: floor / time (100% = at the roofline floor); floor = max((distinct experts touched "
         "x 3*H*I + 2*T*H) bytes / bandwidth, 6*T*k*H*I FLOPs / GEMM rate), with the measured ceilings")
     say("- read-only: memory-bound cells only, one launch of the streaming-read kernel over exactly the "
-        "floor's bytes, timed as moegen: the most a single kernel that only reads those bytes reaches")
+        "floor's bytes, timed as moegen: what a kernel that does nothing but read them takes")
     say(f"- err: relative Frobenius error vs the float64 reference, moegen / naive / grouped_mm; "
         f"checked for T <= {REFERENCE_MAX_TOKENS} only ('-' above: the reference is too slow there); "
         "**WRONG**: above the dtype's tolerance or not finite")
