@@ -2,6 +2,7 @@
 Triton's interpreter, so the whole tuner runs (slowly, on tiny shapes) in CPU tests."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Callable
@@ -48,6 +49,7 @@ def time_call(fn: Callable[[], object], on_gpu: bool) -> float:
     return time_cuda_graph(fn) if on_gpu else time_cpu(fn)
 
 
+@functools.cache  # one jitted kernel per process: gpu_check asks for it once per memory-bound cell
 def streaming_read_kernel():
     import triton
     import triton.language as tl
