@@ -1,0 +1,82 @@
+"""Fingerprint the kernels the shipped tuning database launches, without a GPU.
+
+Compiles, for sm_90 on the CPU (Triton's wheel carries ptxas; a stand-in driver answers the
+questions compiling asks), every kernel that each tuned config in tuned/ launches, and writes
+one sha256 per compiled kernel of its PTX without line information. Two runs that write the same
+file compiled the same kernels: a template edit that leaves them all unchanged keeps the tuned
+entries valid (only their template hash moves), one that changes any of them needs a re-tune.
+
+    python tools/kernel_fingerprint.py OUT.json      # before and after the edit, then compare
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Debug information and the labels it anchors differ with source line numbers, not with code.
+_NOT_CODE = re.compile(r"^\s*(\.loc|\.file|//|\$L__tmp\d+:$)")
+
+
+def code_lines(ptx: str) -> str:
+    lines = []
+    for line in ptx.splitlines():
+        if line.lstrip().startswith(".section") and ".debug" in line:
+            break
+        if not _NOT_CODE.match(line):
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def main(out: Path) -> int:
+    cache = tempfile.mkdtemp(prefix="moegen-fingerprint-")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    os.environ["MOEGEN_PRECOMPILE"] = "0"
+    sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
+    import torch
+    from triton.runtime import driver
+
+    from first_launch_replay import _Hopper
+
+    driver.set_active(_Hopper())
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+
+    from moegen.ir import lower
+    from moegen.package import build, precompile
+    from moegen.package.loader import load_package
+    from moegen.runtime import fused
+    from moegen.spec.loader import load_spec
+
+    fused.pdl_supported = lambda device: True
+    spec_of = {}  # signature key -> the first spec (by name) of that shape
+    for spec_file in sorted((REPO_ROOT / "specs").glob("*.yaml")):
+        spec_of.setdefault(lower(load_spec(spec_file), spec_file).signature.key, spec_file)
+    for db_file in sorted((REPO_ROOT / "tuned").glob("*.json")):
+        spec_file = spec_of[db_file.name.split("__")[0]]
+        entries = json.loads(db_file.read_text())["buckets"]
+        folder, _ = build(spec_file, Path(tempfile.mkdtemp(prefix="moegen-fingerprint-build-")))
+        ks = load_package(folder).KERNELS
+        configs = tuple(fused.KernelConfig(**entries[str(b)]["config"]) for b in ks.buckets)
+        precompile.compile_buckets(replace(ks, configs=configs))
+        print(f"{db_file.name}: {len(configs)} buckets compiled ({spec_file.name})", flush=True)
+    prints: dict[str, list[str]] = {}
+    for ptx in sorted(Path(cache).rglob("*.ptx")):
+        meta = json.loads(ptx.with_suffix(".json").read_text())
+        label = f"{ptx.stem} warps={meta['num_warps']} stages={meta['num_stages']}"
+        prints.setdefault(label, []).append(hashlib.sha256(code_lines(ptx.read_text()).encode()).hexdigest())
+    out.write_text(json.dumps({k: sorted(v) for k, v in sorted(prints.items())}, indent=1) + "\n")
+    print(f"{sum(map(len, prints.values()))} kernels -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    sys.exit(main(Path(sys.argv[1])))
