@@ -13,6 +13,8 @@
 3. For each shipped spec and token count, times moegen's fused_moe (routing included), a naive
    per-expert PyTorch loop and torch._grouped_mm, each first checked against the float64
    reference (T <= 4096 only: the reference at T = 16384 costs more than the whole benchmark).
+   Routing is uniform random: normal router logits, and for DeepSeek-V3 a correction bias that
+   keeps it so (moegen.reference.balanced_correction_bias).
    Timing: CUDA events, warm-up then the median of repeats, with L2 evicted (a 256 MiB read)
    before each timed call; moegen and grouped_mm are captured in a CUDA graph and replays are
    timed, as serving engines run them (the naive loop synchronizes with the host, so it runs
@@ -368,8 +370,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     cpu_gen = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * inter, h, generator=gen, device=device, dtype=dtype).mul_(h ** -0.5)
     w2 = torch.randn(e, h, inter, generator=gen, device=device, dtype=dtype).mul_(inter ** -0.5)
-    bias = ((torch.randn(e, generator=cpu_gen) * 0.02).to(torch.float32).to(device)
-            if m.correction_bias else None)
+    bias = ref.balanced_correction_bias(e, device) if m.correction_bias else None
 
     def inputs(t: int):
         x = torch.randn(t, h, generator=gen, device=device, dtype=dtype)

@@ -66,7 +66,7 @@ class _Problem:
         generator = torch.Generator(device="cpu").manual_seed(tokens)
         dtype = TORCH_DTYPES[m.dtype]
         self.x = torch.randn(tokens, m.hidden_size, generator=generator).to(device=device, dtype=dtype)
-        self.bias = (torch.rand(m.num_experts, generator=generator) * 0.1).to(device) if m.correction_bias else None
+        self.bias = reference.balanced_correction_bias(m.num_experts, device) if m.correction_bias else None
         self.logits = reference.separated_router_logits(tokens, ir.routing, self.bias, generator=generator,
                                                         device=device, dtype=dtype)
         self.w13, self.w2 = weights
