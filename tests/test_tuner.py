@@ -92,7 +92,8 @@ SPACE_CASES = [  # (spec, tokens): decode, middle and prefill row blocks of the 
 def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
     """Every candidate fits the GPU's limits and is distinct; the row blocks include the
     default's; both ways of reading the weights are tried on Hopper, descriptors never before it;
-    tail rows are tried from 512 tokens on (these shapes expect a row block per expert there)."""
+    tail rows are tried from 512 tokens on (these shapes expect a row block per expert there);
+    configs that group row blocks also try the smaller groups."""
     from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
     from moegen.spec import load_spec
@@ -119,6 +120,10 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             assert len(set(tail)) == len(tail) and all(violation(c, sig, gpu) is None for c in tail)
             assert all(0 < c.tail_m < c.block_m for c in tail)
             tails_tried |= {c.tail_m for c in tail}
+            base = (tail or tma or down)[-1]
+            group = space.group_candidates(base, sig, gpu)
+            assert all(violation(c, sig, gpu) is None and c.group_m < base.group_m for c in group)
+            assert len({c.group_m for c in group}) == len(group) == (0 if base.group_m == 1 else 3)
     # Tail rows where experts expect about a block or more, never at decode sizes.
     assert bool(tails_tried) == (tokens >= 512)
 

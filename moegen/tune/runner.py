@@ -203,7 +203,9 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 # Tail rows per row block: they change which block size pads least.
                 tail = space.tail_candidates(step, ir.signature, gpu, tokens)
                 step, step_time = search.improve(step, step_time, tail)
-                tried += len(gate_up) + len(down) + len(tma) + len(tail)
+                group = space.group_candidates(step, ir.signature, gpu)
+                step, step_time = search.improve(step, step_time, group)
+                tried += len(gate_up) + len(down) + len(tma) + len(tail) + len(group)
                 if step_time < three_kernel_time:
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:

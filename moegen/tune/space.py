@@ -30,6 +30,7 @@ DOWN_COMPUTE = ((128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128
 DECODE = ((64, 128, 256, 4, 3), (128, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 5),
           (128, 64, 128, 8, 4), (128, 128, 256, 4, 3), (64, 128, 512, 4, 3), (64, 128, 256, 4, 4),
           (32, 128, 256, 4, 4), (16, 256, 256, 4, 4))
+GROUP_ROWS = (1, 2, 4)  # smaller row-block groups than the defaults' 8
 GATE_UP_VARIANTS = {16: GATE_UP_MEMORY, 32: GATE_UP_MEMORY, 64: GATE_UP_MIDDLE, 128: GATE_UP_COMPUTE}
 DOWN_VARIANTS = {16: DOWN_MEMORY, 32: DOWN_MEMORY, 64: DOWN_MIDDLE, 128: DOWN_COMPUTE}
 
@@ -78,6 +79,17 @@ def tail_candidates(base: KernelConfig, signature: KernelSignature, target, toke
     if 4 * tokens * signature.top_k < 3 * base.block_m * signature.num_experts:
         return []
     return [c for c in _keep([replace(base, tail_m=t) for t in TAIL_ROWS], signature, target) if c != base]
+
+
+def group_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
+    """A grouped config with smaller groups. The programs sharing a row block's token rows start
+    GROUP_M * (N tiles) programs apart, and the rows must still be in L2 when the last one
+    reads them: large groups share the weight tiles of experts with several row blocks, small
+    ones the rows of experts with one (DeepSeek-V3 at 4096 tokens: 7% faster with groups of 1)."""
+    if base.group_m == 1:
+        return []
+    return [c for c in _keep([replace(base, group_m=g) for g in GROUP_ROWS if g < base.group_m], signature, target)
+            if c != base]
 
 
 def decode_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
