@@ -24,7 +24,7 @@ class Case:
     name: str
     tokens: int
     model: dict = field(default_factory=dict)
-    routing: str = "random"  # random | one_expert | half_experts
+    routing: str = "random"  # random | one_expert | half_experts | ties
 
 
 BASE = dict(hidden_size=40, intermediate_size=24, num_experts=6, top_k=2, dtype="float32")
@@ -68,6 +68,8 @@ def _inputs(case: Case, pkg, generator):
         logits[:, 2] += 100.0  # expert 2 wins every token's first pick
     elif case.routing == "half_experts":
         logits[:, 1::2] -= 100.0  # odd experts never chosen
+    elif case.routing == "ties":
+        logits = logits.round()  # equal scores: the lower expert id wins, as in the reference
     return x, logits, w13, w2, bias
 
 
@@ -170,6 +172,8 @@ ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "f
     Case("many_experts_top8", 21, dict(BASE, num_experts=20, top_k=8)),
     Case("grouped_wide", 40, dict(GROUPED, num_experts=32, top_k=6, n_group=8, topk_group=3)),
     Case("deepseek_v3_routing", 37, dict(GROUPED, num_experts=256, top_k=8, n_group=8, topk_group=4)),
+    Case("groups_of_six", 29, dict(GROUPED, num_experts=24, top_k=4, n_group=4, topk_group=2)),
+    Case("tied_scores", 17, dict(BASE, num_experts=12, top_k=4), routing="ties"),
 ]
 
 

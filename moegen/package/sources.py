@@ -99,6 +99,7 @@ def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]
         use_softmax=repr(r.scoring == "softmax"), use_bias=repr(r.correction_bias),
         renormalize=repr(r.renormalize), routed_scaling_factor=repr(float(r.routed_scaling_factor)),
         n_group=r.n_group, n_group_pow2=pow2_at_least(r.n_group), topk_group=r.topk_group,
+        group_size_pow2=pow2_at_least(r.num_experts // r.n_group),
     )
     files = {
         "_moe_route_align.py": render(ROUTE_ALIGN_TEMPLATE, **route_values),
