@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,11 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             tail = space.tail_candidates((tma or down)[-1], sig, gpu, tokens)
             assert len(set(tail)) == len(tail) and all(violation(c, sig, gpu) is None for c in tail)
             assert all(0 < c.tail_m < c.block_m for c in tail)
+            # 8-warp GEMM2 tiles also try the register cap that fits two programs per SM, as twins.
+            capped = [c for c in tail if c.down_max_registers]
+            assert all(c.down_num_warps == 8 and c.down_max_registers == 128 for c in capped)
+            assert {replace(c, down_max_registers=0) for c in capped} <= set(tail)
+            assert not capped or (tma or down)[-1].down_num_warps == 8
             tails_tried |= {c.tail_m for c in tail}
             base = (tail or tma or down)[-1]
             group = space.group_candidates(base, sig, gpu)
@@ -126,6 +132,26 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             assert len({c.group_m for c in group}) == len(group) == (0 if base.group_m == 1 else 3)
     # Tail rows where experts expect about a block or more, never at decode sizes.
     assert bool(tails_tried) == (tokens >= 512)
+
+
+@pytest.mark.parametrize("down_block_n,down_num_warps,capped_tails", [(128, 8, {16, 32}), (256, 8, set()),
+                                                                      (128, 4, set())])
+def test_tails_try_gemm2_capped_to_two_programs_per_sm(down_block_n, down_num_warps, capped_tails):
+    """8-warp GEMM2 tiles with tail rows are also tried capped at 128 registers (two programs per
+    SM), where the accumulators leave room: not with 64 tail rows or 256-wide tiles (spills or
+    no compile), not with 4 warps (two programs fit already)."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config
+    from moegen.spec import load_spec
+    from moegen.tune import space
+
+    path = REPO / "specs" / "deepseek-v3.yaml"
+    sig, gpu = lower(load_spec(path), path).signature, _target("h200")
+    base = replace(default_config(sig, gpu, 4096), down_block_n=down_block_n, down_num_warps=down_num_warps)
+    tail = space.tail_candidates(base, sig, gpu, 4096)
+    assert {c.tail_m for c in tail if not c.down_max_registers} == {16, 32, 64}
+    assert {c.tail_m for c in tail if c.down_max_registers == 128} == capped_tails
+    assert all(c.down_max_registers in (0, 128) for c in tail)
 
 
 def test_descriptor_variants_need_aligned_rows():

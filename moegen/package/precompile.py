@@ -83,7 +83,8 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     import torch
 
     from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, ROUTE_ALIGN_MAX_TOKENS, decode_block_t,
-                                      multi_route_launch, pdl_supported, single_route_launch, tma_possible)
+                                      down_launch, multi_route_launch, pdl_supported, single_route_launch,
+                                      tma_possible)
 
     route, count, place, gate_up, down, decode = _mock_launch_args(ks)
     pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
@@ -110,7 +111,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
         compiled.append(ks.down_reduce.warmup(
             inter, ks.dtype, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m, USE_TMA=use_tma,
-            num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages, grid=(1, 1)))
+            **down_launch(cfg), grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
             for logits_dtype in logits_dtypes:

@@ -13,6 +13,12 @@ from moegen.target import GpuTarget
 # and with a block's tail rows (their loop's few other registers leave room for more).
 MAX_ACCUMULATORS_PER_THREAD = 128
 MAX_ACCUMULATORS_WITH_TAIL = 192
+# The register file of an SM and a thread's share of it at most (every NVIDIA GPU since Kepler).
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 255
+# Registers a capped GEMM2 needs beside its accumulators (ptxas, 8-warp 128-wide tiles capped at
+# 128: 80 accumulators per thread compile in 126 without spills, 96 spill).
+CAPPED_OTHER_REGISTERS = 48
 # Tail row counts a block may carry (the swapped MMA's narrow side: a power of two, >= 16).
 TAIL_ROWS = (16, 32, 64)
 # Batches this small default to the one-launch decode kernel, with the tile that was best or
@@ -54,6 +60,9 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
     if c.block_m * c.down_block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.down_num_warps \
             or (c.block_m + c.tail_m) * c.down_block_n > MAX_ACCUMULATORS_WITH_TAIL * 32 * c.down_num_warps:
         return "GEMM2 accumulators exceed the register file"
+    if c.down_max_registers and (c.block_m + c.tail_m) * c.down_block_n \
+            > (c.down_max_registers - CAPPED_OTHER_REGISTERS) * 32 * c.down_num_warps:
+        return f"GEMM2 accumulators leave too few of its {c.down_max_registers} registers"
     if c.tail_m and (c.tail_m not in TAIL_ROWS or c.tail_m >= c.block_m):
         return f"tail_m {c.tail_m} not one of {TAIL_ROWS} below block_m"
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)

@@ -45,6 +45,9 @@ class KernelConfig:
     # Up to this many of an expert's last rows ride on its last full block instead of taking a
     # padded block of their own (0: every run padded to block_m); see the alignment.
     tail_m: int = 0
+    # GEMM2's registers per thread (0: the compiler's choice). Tail rows raise its 8-warp tiles past
+    # 128, which leaves room for one program per SM; capped at 128, two fit (and compile unspilled).
+    down_max_registers: int = 0
     # The one-launch decode kernel, for batches of at most DECODE_MAX_TOKENS routed by fused_moe
     # (0: not used): its slice of I, step along H, width of its output chunks, warps, stages.
     decode_block_n: int = 0
@@ -61,7 +64,8 @@ class KernelConfig:
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
                 f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
-                + (f"_t{self.tail_m}" if self.tail_m else "") + decode)
+                + (f"_t{self.tail_m}" if self.tail_m else "")
+                + (f"_r{self.down_max_registers}" if self.down_max_registers else "") + decode)
 
 
 @dataclass(frozen=True)
@@ -225,10 +229,18 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
         num_tokens * ks.top_k, aligned.max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, USE_TMA=use_tma, num_warps=cfg.down_num_warps,
-        num_stages=cfg.down_num_stages,
+        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, USE_TMA=use_tma, **down_launch(cfg),
     )
     return out
+
+
+def down_launch(cfg: KernelConfig) -> dict:
+    """GEMM2's compile options (the register cap only where set: the compiler's choice stays the
+    default, so that configs without one compile to the same kernels as before the cap existed)."""
+    options = dict(num_warps=cfg.down_num_warps, num_stages=cfg.down_num_stages)
+    if cfg.down_max_registers:
+        options["maxnreg"] = cfg.down_max_registers
+    return options
 
 
 def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
