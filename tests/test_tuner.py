@@ -154,6 +154,34 @@ def test_tails_try_gemm2_capped_to_two_programs_per_sm(down_block_n, down_num_wa
     assert all(c.down_max_registers in (0, 128) for c in tail)
 
 
+def test_confirmation_keeps_the_fastest_on_average(monkeypatch):
+    """The search's three fastest and the default are timed again on every routing sample, in
+    turns; the best mean wins, not the best single time; nothing else is timed again."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config
+    from moegen.spec import load_spec
+    from moegen.tune import runner
+
+    path = REPO / "specs" / "qwen3-30b-a3b.yaml"
+    default = default_config(lower(load_spec(path), path).signature, _target("h200"), 512)
+    lucky, steady, third, fourth = (replace(default, group_m=g) for g in (1, 2, 4, 16))
+    search = runner._Search(None, None, True, {}, lambda line: None)
+    search.times = {lucky: 10.0, steady: 11.0, third: 12.0, fourth: 13.0, default: 20.0}
+    per_sample = {lucky: (10.0, 14.0, 15.0), steady: (11.0, 11.0, 11.5), third: (12.0, 12.0, 12.0),
+                  default: (20.0, 19.0, 21.0)}
+    timed = []
+
+    def time_on(config, sample):
+        timed.append((config, sample))
+        return per_sample[config][sample]
+
+    monkeypatch.setattr(search, "_time", time_on)
+    best, best_us, default_us = search.confirm(default, [0, 1, 2])
+    assert (best, best_us, default_us) == (steady, pytest.approx(11.5 / 3 + 22 / 3), pytest.approx(20.0))
+    assert sorted(set(timed), key=str) == sorted({(c, s) for c in per_sample for s in range(3)}, key=str)
+    assert [s for _, s in timed] == sorted(s for _, s in timed)  # sample by sample, every finalist in turn
+
+
 def test_descriptor_variants_need_aligned_rows():
     from moegen.ir import KernelSignature
     from moegen.plan.configs import default_config
