@@ -82,8 +82,8 @@ def tail_candidates(base: KernelConfig, signature: KernelSignature, target, toke
     tails = [replace(base, tail_m=t) for t in TAIL_ROWS]
     # Each also with GEMM2 capped to two programs per SM: tails of 32 rows take its 8-warp tiles
     # past that (one program per SM; capped, 3% faster at Qwen3 and Mixtral prefill, measured).
-    capped = [replace(c, down_max_registers=REGISTERS_PER_SM // (2 * 32 * c.down_num_warps)) for c in tails
-              if REGISTERS_PER_SM // (2 * 32 * c.down_num_warps) < MAX_REGISTERS_PER_THREAD]
+    capped = [replace(c, down_max_registers=cap) for c in tails
+              if (cap := REGISTERS_PER_SM // (2 * 32 * c.down_num_warps)) < MAX_REGISTERS_PER_THREAD]
     return [c for c in _keep(tails + capped, signature, target) if c != base]
 
 
