@@ -190,8 +190,11 @@ def test_precompiled_launches_match_the_runtimes(package_factory, tma):
     ks = pkg.KERNELS
     names = ("route_align", "route_count", "route_place", "gate_up", "down_reduce", "decode", "decode_finish")
     decode = dict(decode_block_n=16, decode_block_k=32, decode_block_h=32)  # the smallest bucket decodes
+    capped = dict(down_max_registers=128)  # and the largest caps GEMM2's registers
+    last = len(ks.configs) - 1
     recorded = dataclasses.replace(ks, **{name: Recorder(name, getattr(ks, name)) for name in names},
-                                   configs=tuple(dataclasses.replace(c, tma=tma, **(decode if i == 0 else {}))
+                                   configs=tuple(dataclasses.replace(c, tma=tma, **(decode if i == 0 else {}),
+                                                                     **(capped if i == last else {}))
                                                  for i, c in enumerate(ks.configs)))
     assert ks.buckets[1] <= fused.ROUTE_ALIGN_MAX_TOKENS < ks.buckets[2]  # both routing paths too
     for tokens in ks.buckets:
@@ -215,6 +218,7 @@ def test_precompiled_launches_match_the_runtimes(package_factory, tma):
 
     assert launched and all(any(matches(run, warm) for warm in warmed) for run in launched)
     assert {name for name, _, _ in launched} == set(names)
+    assert any(kwargs.get("maxnreg") == 128 for name, _, kwargs in launched if name == "down_reduce")
     assert any(isinstance(a, TensorDescriptor) for _, args, _ in launched for a in args) == tma
 
 
@@ -246,7 +250,8 @@ GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").repl
 
 
 def _tuned_with_tail_rows(spec_file: Path, directory: Path, tokens: int) -> None:
-    """A tuning database whose entry for `tokens` has tail rows (no cost-model default does)."""
+    """A tuning database whose entry for `tokens` has tail rows and GEMM2's register cap (no
+    cost-model default does)."""
     from dataclasses import replace
 
     from moegen.plan.configs import default_config
@@ -254,7 +259,8 @@ def _tuned_with_tail_rows(spec_file: Path, directory: Path, tokens: int) -> None
     from moegen.tune import db
 
     ir = lower(load_spec(spec_file), spec_file)
-    config = replace(default_config(ir.signature, ir.target, tokens), block_m=32, tail_m=16, decode_block_n=0)
+    config = replace(default_config(ir.signature, ir.target, tokens), block_m=32, tail_m=16, decode_block_n=0,
+                     down_max_registers=128)
     metadata = db.current_metadata(ir.target.name, ir.signature, KERNEL_TEMPLATES)
     db.save(directory, metadata, {tokens: {"config": config, "time_us": 1.0}}, {})
 
