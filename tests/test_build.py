@@ -294,3 +294,19 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
                        "moe_down_reduce", "moe_decode", "moe_decode_finish"}
     assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64]
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
+
+
+def test_kernel_fingerprint_comparison_counts_identical_variants_per_kernel():
+    """tools/kernel_fingerprint.py --compare: per kernel (shape and launch settings aside), the
+    variants compiled before an edit and how many of them compile identically after it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_fingerprint", REPO / "tools" / "kernel_fingerprint.py")
+    fingerprint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fingerprint)
+    gate_up, other_shape = ("moe_gate_up_silu_bf16_h2048_i768_e128_k8 warps=8 stages=4",
+                            "moe_gate_up_gelu_fp32_h40_i24_e6_k2 warps=4 stages=3")
+    count = "moe_route_align_silu_bf16_h2048_i768_e128_k8_count warps=4 stages=3"
+    before = {gate_up: ["a", "b"], other_shape: ["c"], count: ["d"]}
+    after = {gate_up: ["b", "a"], other_shape: ["c"], count: ["e"]}
+    assert fingerprint.compare(before, after) == {"moe_gate_up": (3, 3), "moe_route_align_count": (1, 0)}

@@ -6,7 +6,12 @@ one sha256 per compiled kernel of its PTX without line information. Two runs tha
 file compiled the same kernels: a template edit that leaves them all unchanged keeps the tuned
 entries valid (only their template hash moves), one that changes any of them needs a re-tune.
 
-    python tools/kernel_fingerprint.py OUT.json      # before and after the edit, then compare
+    python tools/kernel_fingerprint.py OUT.json      # before and after the edit, then
+    python tools/kernel_fingerprint.py --compare BEFORE.json AFTER.json
+
+The comparison lists, per kernel (shape aside), how many of its compiled variants are identical:
+an edit that changes only the routing kernels (and the decode kernel's routing) keeps the
+entries' choices valid too (docs/DESIGN.md), one that changes a GEMM needs a re-tune.
 """
 from __future__ import annotations
 
@@ -76,7 +81,28 @@ def main(out: Path) -> int:
     return 0
 
 
+def kernel_of(label: str) -> str:
+    """moe_gate_up_silu_bf16_h2048_i768_e128_k8 warps=8 stages=4 -> moe_gate_up (the shape and
+    launch settings aside; the routing pair and the decode finish keep their suffix)."""
+    return re.sub(r"_(silu|gelu)_[a-z0-9]+_h\d+_i\d+_e\d+_k\d+", "", label.split(" ")[0])
+
+
+def compare(before: dict[str, list[str]], after: dict[str, list[str]]) -> dict[str, tuple[int, int]]:
+    """Per kernel: (variants compiled before, how many of them compile identically after)."""
+    table: dict[str, list[int]] = {}
+    for label, hashes in sorted(before.items()):
+        counts = table.setdefault(kernel_of(label), [0, 0])
+        counts[0] += len(hashes)
+        counts[1] += len(set(hashes) & set(after.get(label, ())))
+    return {kernel: (total, same) for kernel, (total, same) in table.items()}
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--compare":
+        rows = compare(*(json.loads(Path(f).read_text()) for f in sys.argv[2:]))
+        print("| kernel | variants before | identical after |\n|---|---:|---:|")
+        print("\n".join(f"| {kernel} | {total} | {same} |" for kernel, (total, same) in rows.items()))
+        sys.exit(0)
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     sys.exit(main(Path(sys.argv[1])))
