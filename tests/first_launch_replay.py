@@ -37,17 +37,28 @@ class _Hopper:
         return True
 
 
+def use_stand_in_hopper() -> None:
+    """Make this process compile for sm_90 on the CPU: Triton's driver, what the build asks torch
+    before compiling for the GPU, and the runtime's programmatic-dependent-launch check."""
+    import torch
+    from triton.runtime import driver
+
+    from moegen.runtime import fused
+
+    driver.set_active(_Hopper())
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    fused.pdl_supported = lambda device: True
+
+
 def main(spec: str, tokens: list[int]) -> dict:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="moegen-replay-cache-")
     os.environ["MOEGEN_PRECOMPILE"] = "1"
     import torch
     import triton
-    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    driver.set_active(_Hopper())
-    torch.cuda.is_available = lambda: True  # what the build asks before compiling for the GPU
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    use_stand_in_hopper()
 
     from moegen import load
     from moegen.package import build, precompile
@@ -56,7 +67,6 @@ def main(spec: str, tokens: list[int]) -> dict:
 
     precompile._with_launcher = lambda compiled: None  # launchers load the binary: GPU only
     fused._check_inputs = lambda *args, **kwargs: None  # CPU tensors stand in for CUDA ones
-    fused.pdl_supported = lambda device: True
 
     folder, _ = build(Path(spec), Path(tempfile.mkdtemp(prefix="moegen-replay-build-")))
     pkg = load(folder)  # installs the shipped kernels into the (empty) cache
