@@ -102,7 +102,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--buckets", help="comma-separated token buckets (default: the spec's)")
     t.add_argument("--save-dir", type=Path, default=None,
                    help="where results go (default: MOEGEN_TUNED_CONFIG_DIR, else the shipped tuned/)")
-    t.add_argument("--force", action="store_true", help="re-tune buckets the database already has")
+    t.add_argument("--force", action="store_true",
+                   help="re-tune buckets the database already has (an entry stays where it is still the fastest)")
     t.set_defaults(run=_cmd_tune)
 
     pl = sub.add_parser("plan", help="print the expert-offload plan (slots, pinned experts, prefetch, expected cost)")

@@ -27,7 +27,7 @@ def interpreter_spec(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-interpreter tuning test")
-def test_tune_then_warm_rebuild_benchmarks_nothing(interpreter_spec, tmp_path, capsys):
+def test_tune_then_warm_rebuild_benchmarks_nothing(interpreter_spec, tmp_path, capsys, monkeypatch):
     db_dir = tmp_path / "db"
     with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(db_dir)):
         report = tune(interpreter_spec, out=io.StringIO(), err=io.StringIO())
@@ -50,6 +50,24 @@ def test_tune_then_warm_rebuild_benchmarks_nothing(interpreter_spec, tmp_path, c
 
         again = tune(interpreter_spec, out=io.StringIO(), err=io.StringIO())
         assert again.benchmarked == 0 and again.skipped == (1, 16)
+
+        # A forced re-tune times the entry it would replace and keeps it where it is faster.
+        from moegen.runtime.fused import KernelConfig
+        from moegen.tune import runner
+
+        incumbent = replace(KernelConfig(**content["buckets"]["16"]["config"]), group_m=3)
+        content["buckets"]["16"]["config"] = incumbent.__dict__
+        report.saved_to.write_text(json.dumps(content))
+        measure = runner._Search.measure
+
+        def incumbent_fastest(search, config):
+            time_us = measure(search, config)
+            return min(time_us, 1e-3) if config == incumbent else time_us
+
+        monkeypatch.setattr(runner._Search, "measure", incumbent_fastest)
+        forced = tune(interpreter_spec, buckets=[16], force=True, out=io.StringIO(), err=io.StringIO())
+        assert forced.results[0].config == incumbent
+        assert json.loads(report.saved_to.read_text())["buckets"]["16"]["config"] == incumbent.__dict__
 
 
 def test_strict_mode_names_missing_key_and_command(interpreter_spec, tmp_path, capsys):
@@ -180,6 +198,26 @@ def test_confirmation_keeps_the_fastest_on_average(monkeypatch):
     assert (best, best_us, default_us) == (steady, pytest.approx(11.5 / 3 + 22 / 3), pytest.approx(20.0))
     assert sorted(set(timed), key=str) == sorted({(c, s) for c in per_sample for s in range(3)}, key=str)
     assert [s for _, s in timed] == sorted(s for _, s in timed)  # sample by sample, every finalist in turn
+
+
+def test_confirmation_times_the_incumbent():
+    """A forced re-tune's incumbent (the entry it would replace) is a finalist even where the
+    search timed it outside the fastest three, and is kept where it is fastest on average."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config
+    from moegen.spec import load_spec
+    from moegen.tune import runner
+
+    path = REPO / "specs" / "qwen3-30b-a3b.yaml"
+    default = default_config(lower(load_spec(path), path).signature, _target("h200"), 512)
+    first, second, third, incumbent = (replace(default, group_m=g) for g in (1, 2, 4, 16))
+    search = runner._Search(None, None, True, {}, lambda line: None)
+    search.times = {first: 10.0, second: 11.0, third: 12.0, incumbent: 14.0, default: 20.0}
+    per_sample = {first: (10.0, 13.0, 13.0), second: (11.0, 12.0, 12.0), third: (12.0, 12.0, 12.0),
+                  incumbent: (14.0, 10.0, 10.0), default: (20.0, 20.0, 20.0)}
+    search._time = lambda config, sample: per_sample[config][sample]
+    assert search.confirm(default, [0, 1, 2], incumbent)[0] == incumbent
+    assert search.confirm(default, [0, 1, 2])[0] == second
 
 
 def test_descriptor_variants_need_aligned_rows():

@@ -155,17 +155,20 @@ class _Search:
         best_time, _, best = min(timed)
         return best, best_time
 
-    def confirm(self, default: KernelConfig, samples: list[_Sample]) -> tuple[KernelConfig, float, float]:
+    def confirm(self, default: KernelConfig, samples: list[_Sample],
+                incumbent: Optional[KernelConfig] = None) -> tuple[KernelConfig, float, float]:
         """(best, its time, the default's time), all as means over samples: the fastest
-        CONFIRM_FINALISTS of the search and the default, timed in turns on every sample."""
+        CONFIRM_FINALISTS of the search, the default and the incumbent (the database's entry
+        a forced re-tune would replace), timed in turns on every sample."""
         finalists = sorted(self.times, key=self.times.get)[:CONFIRM_FINALISTS]
-        finalists += [default] if default in self.times and default not in finalists else []
+        finalists += [c for c in dict.fromkeys((default, incumbent)) if c in self.times and c not in finalists]
         means = dict.fromkeys(finalists, 0.0)
         for sample in samples:
             for config in finalists:
                 means[config] += self._time(config, sample) / len(samples)
         self.log("    confirmed on %d routings: %s" % (len(samples), ", ".join(
-            f"{c.key} {self.times[c]:.1f} -> {t:.1f} us" for c, t in means.items())))
+            f"{c.key}{' (incumbent)' if c == incumbent else ''} {self.times[c]:.1f} -> {t:.1f} us"
+            for c, t in means.items())))
         best = min(finalists, key=means.get)
         return best, means[best], means.get(default, math.inf)
 
@@ -199,7 +202,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
 
     db = tuning_db.TuningDb()
     wanted = list(buckets or spec.workload.token_buckets)
-    known = {t for t in wanted if not force and db.lookup(gpu.name, ir.signature, t, KERNEL_TEMPLATES)}
+    entries = {t: db.lookup(gpu.name, ir.signature, t, KERNEL_TEMPLATES) for t in wanted}
+    known = {t for t in wanted if not force and entries[t]}
     todo = [t for t in wanted if t not in known]
     target_dir = Path(save_dir) if save_dir else db.dirs[0]
     if not todo:
@@ -250,12 +254,19 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 best, best_time = search.improve(best, best_time, decode)
                 tried += len(decode)
                 progress("decode kernel")
+            # A forced re-tune keeps the entry it would replace where that is faster: one routing
+            # sample and the clocks of the moment can crown a config slower than the entry.
+            incumbent = entries[tokens].config if entries[tokens] else None
+            if incumbent is not None and incumbent not in search.times:
+                best, best_time = search.improve(best, best_time, [incumbent])
+                tried += 1
+                progress("incumbent")
             if math.isinf(best_time):
                 raise MoegenError(f"no config ran correctly for {tokens} tokens; failures: {list(failures.items())[:3]}")
             if on_gpu:  # the interpreter's wall time says nothing about the GPU: one sample there
                 samples = [problem] + [_Sample(ir, tokens, weights, device, seed=tokens + 1000 * s)
                                        for s in range(1, CONFIRM_SAMPLES)]
-                best, best_time, default_time = search.confirm(default, samples)
+                best, best_time, default_time = search.confirm(default, samples, incumbent)
                 progress("confirmation")
             benchmarked += search.timed
             result = BucketResult(tokens, best, best_time, default_time, problem.floor_us, tried)
