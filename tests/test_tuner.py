@@ -172,28 +172,41 @@ def test_tails_try_gemm2_capped_to_two_programs_per_sm(down_block_n, down_num_wa
     assert all(c.down_max_registers in (0, 128) for c in tail)
 
 
-def test_confirmation_keeps_the_fastest_on_average(monkeypatch):
-    """The search's three fastest and the default are timed again on every routing sample, in
-    turns; the best mean wins, not the best single time; nothing else is timed again."""
-    from moegen.ir import lower
-    from moegen.plan.configs import default_config
-    from moegen.spec import load_spec
+def _confirming(search_times: dict, per_sample: dict):
+    """A GPU search whose candidates took search_times, timing per_sample[config][sample] in the
+    confirmation; also returns the list of what it timed there."""
     from moegen.tune import runner
 
-    path = REPO / "specs" / "qwen3-30b-a3b.yaml"
-    default = default_config(lower(load_spec(path), path).signature, _target("h200"), 512)
-    lucky, steady, third, fourth = (replace(default, group_m=g) for g in (1, 2, 4, 16))
     search = runner._Search(None, None, True, {}, lambda line: None)
-    search.times = {lucky: 10.0, steady: 11.0, third: 12.0, fourth: 13.0, default: 20.0}
-    per_sample = {lucky: (10.0, 14.0, 15.0), steady: (11.0, 11.0, 11.5), third: (12.0, 12.0, 12.0),
-                  default: (20.0, 19.0, 21.0)}
+    search.times = dict(search_times)
     timed = []
 
     def time_on(config, sample):
         timed.append((config, sample))
         return per_sample[config][sample]
 
-    monkeypatch.setattr(search, "_time", time_on)
+    search._time = time_on
+    return search, timed
+
+
+def _qwen3_configs(*groups: int):
+    """The cost model's Qwen3 config at 512 tokens, then its variants with these row-block groups."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config
+    from moegen.spec import load_spec
+
+    path = REPO / "specs" / "qwen3-30b-a3b.yaml"
+    default = default_config(lower(load_spec(path), path).signature, _target("h200"), 512)
+    return (default, *(replace(default, group_m=g) for g in groups))
+
+
+def test_confirmation_keeps_the_fastest_on_average():
+    """The search's three fastest and the default are timed again on every routing sample, in
+    turns; the best mean wins, not the best single time; nothing else is timed again."""
+    default, lucky, steady, third, fourth = _qwen3_configs(1, 2, 4, 16)
+    per_sample = {lucky: (10.0, 14.0, 15.0), steady: (11.0, 11.0, 11.5), third: (12.0, 12.0, 12.0),
+                  default: (20.0, 19.0, 21.0)}
+    search, timed = _confirming({lucky: 10.0, steady: 11.0, third: 12.0, fourth: 13.0, default: 20.0}, per_sample)
     best, best_us, default_us = search.confirm(default, [0, 1, 2])
     assert (best, best_us, default_us) == (steady, pytest.approx(11.5 / 3 + 22 / 3), pytest.approx(20.0))
     assert sorted(set(timed), key=str) == sorted({(c, s) for c in per_sample for s in range(3)}, key=str)
@@ -203,20 +216,12 @@ def test_confirmation_keeps_the_fastest_on_average(monkeypatch):
 def test_confirmation_times_the_incumbent():
     """A forced re-tune's incumbent (the entry it would replace) is a finalist even where the
     search timed it outside the fastest three, and is kept where it is fastest on average."""
-    from moegen.ir import lower
-    from moegen.plan.configs import default_config
-    from moegen.spec import load_spec
-    from moegen.tune import runner
-
-    path = REPO / "specs" / "qwen3-30b-a3b.yaml"
-    default = default_config(lower(load_spec(path), path).signature, _target("h200"), 512)
-    first, second, third, incumbent = (replace(default, group_m=g) for g in (1, 2, 4, 16))
-    search = runner._Search(None, None, True, {}, lambda line: None)
-    search.times = {first: 10.0, second: 11.0, third: 12.0, incumbent: 14.0, default: 20.0}
+    default, first, second, third, incumbent = _qwen3_configs(1, 2, 4, 16)
     per_sample = {first: (10.0, 13.0, 13.0), second: (11.0, 12.0, 12.0), third: (12.0, 12.0, 12.0),
                   incumbent: (14.0, 10.0, 10.0), default: (20.0, 20.0, 20.0)}
-    search._time = lambda config, sample: per_sample[config][sample]
+    search, timed = _confirming({first: 10.0, second: 11.0, third: 12.0, incumbent: 14.0, default: 20.0}, per_sample)
     assert search.confirm(default, [0, 1, 2], incumbent)[0] == incumbent
+    assert {c for c, _ in timed} == set(per_sample)
     assert search.confirm(default, [0, 1, 2])[0] == second
 
 
