@@ -213,14 +213,17 @@ def test_confirmation_keeps_the_fastest_on_average():
     assert [s for _, s in timed] == sorted(s for _, s in timed)  # sample by sample, every finalist in turn
 
 
-def test_confirmation_times_the_incumbent():
+@pytest.mark.parametrize("incumbent_mean,kept", [(34 / 3, True), (35.2 / 3, True), (35.4 / 3, False)],
+                         ids=["fastest", "within_margin", "beyond_margin"])
+def test_confirmation_times_the_incumbent(incumbent_mean, kept):
     """A forced re-tune's incumbent (the entry it would replace) is a finalist even where the
-    search timed it outside the fastest three, and is kept where it is fastest on average."""
+    search timed it outside the fastest three, and is kept unless the best finalist (here a
+    mean of 35/3) is more than INCUMBENT_MARGIN faster."""
     default, first, second, third, incumbent = _qwen3_configs(1, 2, 4, 16)
     per_sample = {first: (10.0, 13.0, 13.0), second: (11.0, 12.0, 12.0), third: (12.0, 12.0, 12.0),
-                  incumbent: (14.0, 10.0, 10.0), default: (20.0, 20.0, 20.0)}
+                  incumbent: (14.0, 10.0, 3 * incumbent_mean - 24.0), default: (20.0, 20.0, 20.0)}
     search, timed = _confirming({first: 10.0, second: 11.0, third: 12.0, incumbent: 14.0, default: 20.0}, per_sample)
-    assert search.confirm(default, [0, 1, 2], incumbent)[0] == incumbent
+    assert search.confirm(default, [0, 1, 2], incumbent)[0] == (incumbent if kept else second)
     assert {c for c, _ in timed} == set(per_sample)
     assert search.confirm(default, [0, 1, 2])[0] == second
 

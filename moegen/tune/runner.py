@@ -63,6 +63,10 @@ class TuneReport:
 # pick a config that is slower on most routings.
 CONFIRM_FINALISTS = 3
 CONFIRM_SAMPLES = 3
+# A forced re-tune replaces the database's entry only with a config at least this much faster on
+# average: on the H200 the means of near-equal configs differ by ~0.1-1% between runs, and an
+# entry that flips on noise churns the shared database for nothing.
+INCUMBENT_MARGIN = 0.01
 
 
 class _Sample:
@@ -159,7 +163,8 @@ class _Search:
                 incumbent: Optional[KernelConfig] = None) -> tuple[KernelConfig, float, float]:
         """(best, its time, the default's time), all as means over samples: the fastest
         CONFIRM_FINALISTS of the search, the default and the incumbent (the database's entry
-        a forced re-tune would replace), timed in turns on every sample."""
+        a forced re-tune would replace), timed in turns on every sample. The incumbent stays
+        unless the best is INCUMBENT_MARGIN faster."""
         finalists = sorted(self.times, key=self.times.get)[:CONFIRM_FINALISTS]
         finalists += [c for c in dict.fromkeys((default, incumbent)) if c in self.times and c not in finalists]
         means = dict.fromkeys(finalists, 0.0)
@@ -170,6 +175,8 @@ class _Search:
             f"{c.key}{' (incumbent)' if c == incumbent else ''} {self.times[c]:.1f} -> {t:.1f} us"
             for c, t in means.items())))
         best = min(finalists, key=means.get)
+        if incumbent in means and means[best] > means[incumbent] * (1 - INCUMBENT_MARGIN):
+            best = incumbent
         return best, means[best], means.get(default, math.inf)
 
     def improve(self, config: KernelConfig, time_us: float, configs) -> tuple[KernelConfig, float]:
