@@ -40,11 +40,12 @@ def precompile() -> Optional[bool]:
     return None if not value else _flag("MOEGEN_PRECOMPILE")
 
 
-def route_align_max_tokens() -> int:
+def route_align_max_tokens() -> Optional[int]:
     """MOEGEN_ROUTE_ALIGN_MAX_TOKENS: batches up to this size are routed and aligned by the
-    single-program kernel, larger ones by the multi-program pair (default 8: measured on the
-    H200, one program is faster up to 8 tokens, the pair from 16 on)."""
-    return int(os.environ.get("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "8"))
+    single-program kernel, larger ones by the multi-program pair. Unset: the shape decides (see
+    moegen.runtime.fused.single_route_max_tokens)."""
+    value = os.environ.get("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "").strip()
+    return int(value) if value else None
 
 
 def triton_interpret() -> bool:

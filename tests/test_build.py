@@ -196,7 +196,7 @@ def test_precompiled_launches_match_the_runtimes(package_factory, tma):
                                    configs=tuple(dataclasses.replace(c, tma=tma, **(decode if i == 0 else {}),
                                                                      **(capped if i == last else {}))
                                                  for i, c in enumerate(ks.configs)))
-    assert ks.buckets[1] <= fused.ROUTE_ALIGN_MAX_TOKENS < ks.buckets[2]  # both routing paths too
+    assert ks.buckets[1] <= fused.single_route_max_tokens(ks.num_experts) < ks.buckets[2]  # both routing paths too
     for tokens in ks.buckets:
         x = torch.randn(tokens, 40)
         fused.fused_moe(recorded, x, separated_router_logits(tokens, ks.routing), torch.randn(6, 48, 40),

@@ -227,6 +227,18 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, package_factory, m
     assert torch.allclose(flat_weights.gather(1, order.indices), ref_weights.cpu().gather(1, ref_order.indices), rtol=1e-5)
 
 
+@pytest.mark.parametrize("experts,knob,expected", [(8, None, 8), (128, None, 8), (256, None, 4), (2048, None, 0),
+                                                    (256, 16, 16), (8, 0, 0)])
+def test_single_program_routing_threshold(experts, knob, expected, monkeypatch):
+    """The single routing program takes up to 8 tokens and 1024 router scores; the knob overrides."""
+    from moegen import knobs
+    from moegen.runtime import fused
+
+    with knobs.scope(MOEGEN_ROUTE_ALIGN_MAX_TOKENS=None if knob is None else str(knob)):
+        monkeypatch.setattr(fused, "ROUTE_ALIGN_MAX_TOKENS", knobs.route_align_max_tokens())
+    assert fused.single_route_max_tokens(experts) == expected
+
+
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tail_m", [0, 16])
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16),

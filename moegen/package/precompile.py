@@ -82,22 +82,23 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     ``launchers`` (on the GPU) their launchers as well."""
     import torch
 
-    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, ROUTE_ALIGN_MAX_TOKENS, decode_block_t,
-                                      down_launch, multi_route_launch, pdl_supported, single_route_launch,
-                                      tma_possible)
+    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, down_launch,
+                                      multi_route_launch, pdl_supported, single_route_launch,
+                                      single_route_max_tokens, tma_possible)
 
     route, count, place, gate_up, down, decode = _mock_launch_args(ks)
     pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
     count_launch, place_launch = multi_route_launch(ks)
     # Router logits come in the model's dtype (MoELayer) or float32: compile both.
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
+    single_max = single_route_max_tokens(ks.num_experts)
     compiled, previous = [], 0
     for bucket, cfg in zip(ks.buckets, ks.configs):
-        if previous < ROUTE_ALIGN_MAX_TOKENS:  # some of this bucket's batches are routed by one program
+        if previous < single_max:  # some of this bucket's batches are routed by one program
             for logits_dtype in logits_dtypes:
                 compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
                                                       **single_route_launch(ks, bucket), grid=(1,)))
-        if bucket > ROUTE_ALIGN_MAX_TOKENS:  # and some by the multi-program pair
+        if bucket > single_max:  # and some by the multi-program pair
             for logits_dtype in logits_dtypes:
                 compiled.append(ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,)))
             compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, **place_launch,

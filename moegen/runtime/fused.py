@@ -14,9 +14,15 @@ from moegen import knobs
 from moegen.runtime.align import Alignment, align_tokens, aligned_rows, max_padded_slots
 from moegen.runtime.routing import RoutingParams
 
-# Batches up to this size are routed and aligned by the single-program kernel (one launch);
-# larger ones by the multi-program pair (two launches after one fill, but parallel).
+# Where set, batches up to this size are routed and aligned by the single-program kernel (one
+# launch), larger ones by the multi-program pair (two launches after one fill, but parallel).
 ROUTE_ALIGN_MAX_TOKENS = knobs.route_align_max_tokens()
+# Otherwise the single program takes batches of up to 8 tokens and 1024 router scores (tokens x
+# experts): its serial loops grow with both. Measured on the H200 (graph replays, same configs):
+# 128 experts, the pair faster from 16 tokens; 256 experts (DeepSeek-V3), level at 4 tokens, the
+# pair 2.6% faster at 8; 8 experts, the single program 0.9% faster at 4.
+_SINGLE_ROUTE_MAX_TOKENS = 8
+_SINGLE_ROUTE_MAX_SCORES = 1024
 # Elements of the [rows, experts] one-hot tiles one routing program holds at a time.
 _ROUTE_TILE = 8192
 # The decode kernel's MMA tile has 16 rows: batches up to this size can take it.
@@ -129,10 +135,17 @@ def pow2_at_least(x: float) -> int:
     return p
 
 
+def single_route_max_tokens(num_experts: int) -> int:
+    """The largest batch the single-program routing kernel takes."""
+    if ROUTE_ALIGN_MAX_TOKENS is not None:
+        return ROUTE_ALIGN_MAX_TOKENS
+    return min(_SINGLE_ROUTE_MAX_TOKENS, _SINGLE_ROUTE_MAX_SCORES // num_experts)
+
+
 def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
     """Launch settings of the single-program routing kernel, sized by the batch's bucket so that
     a handful of compiled variants serve all batches: a decode token is not padded to 16."""
-    bucket = max(1, min(ks.bucket_for(num_tokens), ROUTE_ALIGN_MAX_TOKENS))
+    bucket = max(1, min(ks.bucket_for(num_tokens), single_route_max_tokens(ks.num_experts)))
     slots = pow2_at_least(bucket * ks.top_k)
     return dict(BLOCK_T=min(16, pow2_at_least(bucket)), BLOCK_S=max(16, min(64, slots)), num_warps=4)
 
@@ -283,7 +296,7 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
     bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    if num_tokens <= ROUTE_ALIGN_MAX_TOKENS:
+    if num_tokens <= single_route_max_tokens(ks.num_experts):
         sorted_slots = torch.empty(rows, dtype=torch.int32, device=device)
         ks.route_align[(1,)](
             logits, bias, weights, ids, sorted_slots, block_expert, num_padded,
