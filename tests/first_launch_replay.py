@@ -94,7 +94,8 @@ def main(spec: str, tokens: list[int]) -> dict:
         logits = separated_router_logits(current, ks.routing, bias)
         pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
     return {"shipped": len(list((folder / precompile.CACHE_FOLDER).iterdir())), "launches": launches,
-            "tail_row_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.tail_m]}
+            "tail_row_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.tail_m],
+            "two_stream_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.streams == 2]}
 
 
 if __name__ == "__main__":

@@ -249,9 +249,9 @@ GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").repl
     "dtype: float32", "dtype: bfloat16")
 
 
-def _tuned_with_tail_rows(spec_file: Path, directory: Path, tokens: int) -> None:
-    """A tuning database whose entry for `tokens` has tail rows and GEMM2's register cap (no
-    cost-model default does)."""
+def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, stream_tokens: int) -> None:
+    """A tuning database whose entry for `tail_tokens` has tail rows and GEMM2's register cap, and
+    whose entry for `stream_tokens` runs two streams (no cost-model default does either)."""
     from dataclasses import replace
 
     from moegen.plan.configs import default_config
@@ -259,10 +259,12 @@ def _tuned_with_tail_rows(spec_file: Path, directory: Path, tokens: int) -> None
     from moegen.tune import db
 
     ir = lower(load_spec(spec_file), spec_file)
-    config = replace(default_config(ir.signature, ir.target, tokens), block_m=32, tail_m=16, decode_block_n=0,
-                     down_max_registers=128)
+    tails = replace(default_config(ir.signature, ir.target, tail_tokens), block_m=32, tail_m=16, decode_block_n=0,
+                    down_max_registers=128)
+    streams = replace(default_config(ir.signature, ir.target, stream_tokens), decode_block_n=0, streams=2)
     metadata = db.current_metadata(ir.target.name, ir.signature, KERNEL_TEMPLATES)
-    db.save(directory, metadata, {tokens: {"config": config, "time_us": 1.0}}, {})
+    db.save(directory, metadata, {tail_tokens: {"config": tails, "time_us": 1.0},
+                                  stream_tokens: {"config": streams, "time_us": 1.0}}, {})
 
 
 @pytest.mark.parametrize("spec", ["tiny", "grouped_bf16"])
@@ -272,7 +274,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
     CPU against a stand-in sm_90 driver (tests/first_launch_replay.py): Triton compiles with the
     ptxas of its wheel and looks kernels up exactly as on the GPU. Two shapes: odd fp32 sizes,
     and bf16 with grouped, biased routing (tensor descriptors throughout); the 64-token bucket of
-    each tuned to tail rows."""
+    each tuned to tail rows, the 16-token one to two streams (shifted views of the layout)."""
     ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file() or subprocess.run([str(ptxas), "--version"], capture_output=True).returncode != 0:
         pytest.skip("no runnable ptxas in this Triton install")
@@ -280,7 +282,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
     if spec == "grouped_bf16":
         spec_file = tmp_path / "grouped_bf16.yaml"
         spec_file.write_text(GROUPED_BF16)
-    _tuned_with_tail_rows(spec_file, tmp_path / "tuned", 64)
+    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["MOEGEN_TUNED_CONFIG_DIR"] = str(tmp_path / "tuned")
     result = subprocess.run([sys.executable, str(REPO / "tests" / "first_launch_replay.py"), str(spec_file),
@@ -292,7 +294,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
                for launch in replay["launches"]}
     assert kernels == {"moe_route_align_count", "moe_route_align_place", "moe_route_align", "moe_gate_up",
                        "moe_down_reduce", "moe_decode", "moe_decode_finish"}
-    assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64]
+    assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64] and replay["two_stream_buckets"] == [16]
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
 
 

@@ -113,6 +113,34 @@ def test_tensor_descriptor_path(case, split_k, package_factory):
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
 
 
+STREAM_CASES = [c for c in CASES if c.name in ("one_token", "odd_tokens", "several_blocks_per_expert",
+                                                "beyond_single_program_routing", "all_on_one_expert",
+                                                "half_experts_idle", "fp16_gelu_even_k")]
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: c.name)
+def test_two_stream_halves(case, tma, package_factory):
+    """Row blocks in two halves (GEMM1 then GEMM2 each; on the CPU one after the other): shifted
+    views, only the first half zeroing the output, a second half that the routing may leave
+    empty (all tokens on one expert: fewer blocks than the uniform estimate) or overfull
+    (several blocks per expert); routed by the kernels and by the caller."""
+    from dataclasses import replace
+
+    from moegen.runtime.fused import fused_experts, fused_moe
+
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
+    x, logits, w13, w2, bias = _inputs(case, pkg, generator)
+    config = replace(pkg.KERNELS.config_for(case.tokens), streams=2, tail_m=0, decode_block_n=0, tma=tma)
+    expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
+    out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
+    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+    weights, ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
+    out = fused_experts(pkg.KERNELS, x, weights.to(x.dtype), ids, w13, w2, config=config)
+    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+
+
 DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
     Case("decode_all_on_one_expert", 9, BASE, routing="one_expert"),
     Case("decode_sixteen_tokens", 16, dict(BASE, num_experts=9, top_k=4)),

@@ -9,6 +9,7 @@ so the step is capturable in a CUDA graph.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,13 @@ def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
     """Worst-case padded length: every non-empty expert (at most min(E, slots)) adds < BLOCK_M."""
     padded = num_slots + min(num_experts, num_slots) * (block_m - 1)
     return (padded + block_m - 1) // block_m * block_m
+
+
+def expected_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Row blocks a uniform routing of num_slots slots fills: about E * (1 - (1 - 1/E)^slots)
+    experts are touched, each padded to whole blocks (an estimate: no count is read back)."""
+    touched = max(1, round(num_experts * (1 - (1 - 1 / num_experts) ** num_slots)))
+    return touched * math.ceil(num_slots / touched / block_m)
 
 
 def aligned_rows(max_padded: int, block_m: int, tail_m: int) -> int:

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from moegen import knobs
-from moegen.runtime.align import Alignment, align_tokens, aligned_rows, max_padded_slots
+from moegen.runtime.align import Alignment, align_tokens, aligned_rows, expected_blocks, max_padded_slots
 from moegen.runtime.routing import RoutingParams
 
 # Where set, batches up to this size are routed and aligned by the single-program kernel (one
@@ -61,6 +61,9 @@ class KernelConfig:
     decode_block_h: int = 0
     decode_num_warps: int = 4
     decode_num_stages: int = 3
+    # 2: the row blocks in two halves on two CUDA streams, each half GEMM1 then GEMM2, so that
+    # one half's GEMM2 runs while the other's GEMM1 drains (configs without tail rows; 1: one).
+    streams: int = 1
 
     @property
     def key(self) -> str:
@@ -71,7 +74,8 @@ class KernelConfig:
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
                 f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
                 + (f"_t{self.tail_m}" if self.tail_m else "")
-                + (f"_r{self.down_max_registers}" if self.down_max_registers else "") + decode)
+                + (f"_r{self.down_max_registers}" if self.down_max_registers else "")
+                + ("_2s" if self.streams == 2 else "") + decode)
 
 
 @dataclass(frozen=True)
@@ -215,36 +219,86 @@ def _descriptor(tensor: torch.Tensor, block_shape: list[int]):
 
 
 def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2):
-    num_tokens = hidden_states.shape[0]
-    h, i = ks.hidden_size, ks.intermediate_size
     hidden_states, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
-    inter = torch.empty((aligned.sorted_slots.numel(), i), dtype=ks.dtype, device=hidden_states.device)
-    out = torch.empty((num_tokens, h), dtype=ks.dtype, device=hidden_states.device)  # zeroed by GEMM1
-    num_m_blocks = aligned.max_padded // cfg.block_m
+    inter = torch.empty((aligned.sorted_slots.numel(), ks.intermediate_size), dtype=ks.dtype,
+                        device=hidden_states.device)
+    out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
+    num_blocks = aligned.max_padded // cfg.block_m
+    if cfg.streams == 1 or aligned.tail_m:
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, num_blocks, aligned.num_padded)
+        return out
+    # Halves of the blocks the routing is expected to fill (a guess only balances the halves: the
+    # second half's blocks past the padded total exit at once), split at a multiple of 4 blocks
+    # so that the shifted block experts stay 16-byte aligned, as the kernels were compiled. The
+    # second half's GEMM2 waits for the first half's GEMM1, which zeroes the output.
+    half = expected_blocks(weights.numel(), ks.num_experts, cfg.block_m) // 2
+    split = min(num_blocks, max(4, half // 4 * 4))
+    second_padded = aligned.num_padded - split * cfg.block_m
+    if not hidden_states.is_cuda:  # the interpreter: one half after the other
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded)
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, second_padded)
+        return out
+    main, side, zeroed = torch.cuda.current_stream(), side_stream(hidden_states.device), torch.cuda.Event()
+    side.wait_stream(main)
+    _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded, zeroed)
+    with torch.cuda.stream(side):
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, second_padded,
+               wait_for=zeroed)
+    main.wait_stream(side)
+    return out
+
+
+def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2, inter, out,
+           first: int, end: int, num_padded, zeroed=None, wait_for=None):
+    """GEMM1 then GEMM2 over row blocks first .. end-1, which the kernels see as blocks 0 ..
+    end-first-1 through shifted views (tail rows only with first = 0: their rows follow all
+    blocks). A range from block 0 zeroes the output in GEMM1 (and records ``zeroed`` after it);
+    another does not, and its GEMM2 waits for ``wait_for``."""
+    if end == first:
+        return
+    num_tokens, h, i, bm = hidden_states.shape[0], ks.hidden_size, ks.intermediate_size, cfg.block_m
+    sorted_slots, block_expert, inter = (aligned.sorted_slots[first * bm:], aligned.block_expert[first:],
+                                         inter[first * bm:])
+    max_padded = (end - first) * bm
     use_tma = cfg.tma and tma_compatible(w13, w2, inter)
     if use_tma:
         w13_arg = _descriptor(w13, [1, cfg.block_n, cfg.block_k])
         w2_arg = _descriptor(w2, [1, cfg.down_block_n, cfg.down_block_k])
-        inter_arg = _descriptor(inter, [cfg.block_m, cfg.down_block_k])
+        inter_arg = _descriptor(inter, [bm, cfg.down_block_k])
     else:
         w13_arg, w2_arg, inter_arg = w13, w2, inter
-    ks.gate_up[(num_m_blocks * _cdiv(i, cfg.block_n),)](
+    ks.gate_up[((end - first) * _cdiv(i, cfg.block_n),)](
         hidden_states, w13_arg, inter, out,
-        aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
-        num_tokens * ks.top_k, aligned.max_padded, out.numel(),
+        sorted_slots, block_expert, num_padded,
+        num_tokens * ks.top_k, max_padded, 0 if first else out.numel(),
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         TAIL_M=aligned.tail_m, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    ks.down_reduce[(num_m_blocks * _cdiv(h, cfg.down_block_n), cfg.split_k)](
+    if zeroed is not None:
+        zeroed.record()
+    if wait_for is not None:
+        torch.cuda.current_stream().wait_event(wait_for)
+    ks.down_reduce[((end - first) * _cdiv(h, cfg.down_block_n), cfg.split_k)](
         inter_arg, inter, w2_arg, out, weights,
-        aligned.sorted_slots, aligned.block_expert, aligned.num_padded,
-        num_tokens * ks.top_k, aligned.max_padded,
+        sorted_slots, block_expert, num_padded,
+        num_tokens * ks.top_k, max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
         SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, USE_TMA=use_tma, **down_launch(cfg),
     )
-    return out
+
+
+_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One second stream per device for the two-stream GEMMs; every call joins it back to the
+    caller's stream before returning, so the caller's stream orders everything after."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def down_launch(cfg: KernelConfig) -> dict:

@@ -250,7 +250,9 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 step, step_time = search.improve(step, step_time, tail)
                 group = space.group_candidates(step, ir.signature, gpu)
                 step, step_time = search.improve(step, step_time, group)
-                tried += len(gate_up) + len(down) + len(tma) + len(tail) + len(group)
+                streams = space.stream_candidates(step, ir.signature, gpu)
+                step, step_time = search.improve(step, step_time, streams)
+                tried += len(gate_up) + len(down) + len(tma) + len(tail) + len(group) + len(streams)
                 if step_time < three_kernel_time:
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:

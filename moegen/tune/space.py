@@ -95,6 +95,12 @@ def group_candidates(base: KernelConfig, signature: KernelSignature, target) -> 
     return _keep([replace(base, group_m=g) for g in GROUP_ROWS if g < base.group_m], signature, target)
 
 
+def stream_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
+    """The best config with its row blocks in halves on two streams (one half's GEMM2 beside the
+    other's GEMM1: 1-2.4% faster at 64-512 tokens for many small experts, measured)."""
+    return [c for c in _keep([replace(base, streams=2)], signature, target) if c != base]
+
+
 def decode_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
     """The one-launch decode kernel's variants on top of a three-kernel config (which fused_experts
     and the offload runtime still use), for buckets small enough to take it."""
