@@ -238,7 +238,8 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
         _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded)
         _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, second_padded)
         return out
-    main, side, zeroed = torch.cuda.current_stream(), side_stream(hidden_states.device), torch.cuda.Event()
+    device = hidden_states.device
+    main, side, zeroed = torch.cuda.current_stream(device), side_stream(device), torch.cuda.Event()
     side.wait_stream(main)
     _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded, zeroed)
     with torch.cuda.stream(side):
