@@ -133,6 +133,8 @@ def test_two_stream_halves(case, tma, package_factory):
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
     x, logits, w13, w2, bias = _inputs(case, pkg, generator)
     config = replace(pkg.KERNELS.config_for(case.tokens), streams=2, tail_m=0, decode_block_n=0, tma=tma)
+    if case.tokens >= 70:
+        config = replace(config, block_m=16, tail_m=8, group_m=1)
     expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
     out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]

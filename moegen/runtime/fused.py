@@ -224,7 +224,7 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
                         device=hidden_states.device)
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
     num_blocks = aligned.max_padded // cfg.block_m
-    if cfg.streams == 1 or aligned.tail_m:
+    if cfg.streams == 1 or (aligned.tail_m and cfg.group_m != 1):
         _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, num_blocks, aligned.num_padded)
         return out
     # Halves of the blocks the routing is expected to fill (a guess only balances the halves: the
@@ -252,15 +252,17 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
 def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2, inter, out,
            first: int, end: int, num_padded, zeroed=None, wait_for=None):
     """GEMM1 then GEMM2 over row blocks first .. end-1, which the kernels see as blocks 0 ..
-    end-first-1 through shifted views (tail rows only with first = 0: their rows follow all
-    blocks). A range from block 0 zeroes the output in GEMM1 (and records ``zeroed`` after it);
-    another does not, and its GEMM2 waits for ``wait_for``."""
+    end-first-1 through shifted views. A range from block 0 zeroes the output in GEMM1 (and
+    records ``zeroed`` after it); another does not, and its GEMM2 waits for ``wait_for``."""
     if end == first:
         return
     num_tokens, h, i, bm = hidden_states.shape[0], ks.hidden_size, ks.intermediate_size, cfg.block_m
     sorted_slots, block_expert, inter = (aligned.sorted_slots[first * bm:], aligned.block_expert[first:],
                                          inter[first * bm:])
-    max_padded = (end - first) * bm
+    # The kernels find block b's tail rows at max_padded + b * TAIL_M of the layout they see, and
+    # count max_padded / BLOCK_M blocks only to group them: with tail rows, a range not from
+    # block 0 passes the base its shifted view needs (hence groups of 1, see configs.violation).
+    max_padded = aligned.max_padded + first * (aligned.tail_m - bm) if aligned.tail_m else (end - first) * bm
     use_tma = cfg.tma and tma_compatible(w13, w2, inter)
     if use_tma:
         w13_arg = _descriptor(w13, [1, cfg.block_n, cfg.block_k])
