@@ -1,6 +1,7 @@
 """The build pipeline end to end: CLI, determinism, atomic replacement, manifest and report."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -129,6 +130,18 @@ def test_cli_exit_codes_and_no_traceback(argv, code, needle):
     assert result.returncode == code
     assert needle in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+COMMANDS = sorted(next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_prints_its_help(command, capsys):
+    """argparse expands '%' in help strings: a bare one turns --help into a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    assert f"moegen {command}" in capsys.readouterr().out
 
 
 def test_precompiled_kernels_install_into_tritons_cache(tmp_path):
