@@ -152,8 +152,11 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             # is shifted, which the grouping of more than one row block would misread).
             for config in {base, replace(base, tail_m=0), replace(base, group_m=1)}:
                 halves = replace(config, streams=2, group_m=1 if config.tail_m else config.group_m)
-                assert space.stream_candidates(config, sig, gpu) == [halves]
-                assert violation(halves, sig, gpu) is None
+                deeper = replace(halves, num_stages=halves.num_stages + 1)
+                streams = space.stream_candidates(config, sig, gpu)
+                assert streams in ([halves], [halves, deeper])
+                assert all(violation(c, sig, gpu) is None for c in streams)
+                assert (deeper in streams) == (violation(deeper, sig, gpu) is None)
                 assert (violation(replace(config, streams=2), sig, gpu) is None) \
                     == (not config.tail_m or config.group_m == 1)
     # Tail rows where experts expect about a block or more, never at decode sizes.
