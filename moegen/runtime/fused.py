@@ -224,7 +224,7 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
                         device=hidden_states.device)
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
     num_blocks = aligned.max_padded // cfg.block_m
-    if cfg.streams == 1 or (aligned.tail_m and cfg.group_m != 1):
+    if cfg.streams == 1 or (aligned.tail_m and cfg.group_m != 1):  # the latter: see configs.violation
         _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, num_blocks, aligned.num_padded)
         return out
     # Halves of the blocks the routing is expected to fill (a guess only balances the halves: the
