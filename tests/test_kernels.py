@@ -124,7 +124,8 @@ def test_two_stream_halves(case, tma, package_factory):
     """Row blocks in two halves (GEMM1 then GEMM2 each; on the CPU one after the other): shifted
     views, only the first half zeroing the output, a second half that the routing may leave
     empty (all tokens on one expert: fewer blocks than the uniform estimate) or overfull
-    (several blocks per expert); routed by the kernels and by the caller."""
+    (several blocks per expert); with tail rows in groups of 1 beyond 70 tokens (the second
+    half's shifted tail base); routed by the kernels and by the caller."""
     from dataclasses import replace
 
     from moegen.runtime.fused import fused_experts, fused_moe

@@ -62,7 +62,7 @@ class KernelConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     # 2: the row blocks in two halves on two CUDA streams, each half GEMM1 then GEMM2, so that
-    # one half's GEMM2 runs while the other's GEMM1 drains (configs without tail rows; 1: one).
+    # one half's GEMM2 runs while the other's GEMM1 drains (with tail rows only in groups of 1).
     streams: int = 1
 
     @property
