@@ -263,8 +263,9 @@ GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").repl
 
 
 def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, stream_tokens: int) -> None:
-    """A tuning database whose entry for `tail_tokens` has tail rows and GEMM2's register cap, and
-    whose entry for `stream_tokens` runs two streams (no cost-model default does either)."""
+    """A tuning database whose entry for `tail_tokens` has tail rows (no cost-model default has
+    them) and GEMM2's register cap, on two streams, and whose entry for `stream_tokens` runs two
+    streams."""
     from dataclasses import replace
 
     from moegen.plan.configs import default_config
@@ -273,7 +274,7 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
 
     ir = lower(load_spec(spec_file), spec_file)
     tails = replace(default_config(ir.signature, ir.target, tail_tokens), block_m=32, tail_m=16, decode_block_n=0,
-                    down_max_registers=128)
+                    down_max_registers=128, streams=2, group_m=1)
     streams = replace(default_config(ir.signature, ir.target, stream_tokens), decode_block_n=0, streams=2)
     metadata = db.current_metadata(ir.target.name, ir.signature, KERNEL_TEMPLATES)
     db.save(directory, metadata, {tail_tokens: {"config": tails, "time_us": 1.0},
@@ -287,7 +288,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
     CPU against a stand-in sm_90 driver (tests/first_launch_replay.py): Triton compiles with the
     ptxas of its wheel and looks kernels up exactly as on the GPU. Two shapes: odd fp32 sizes,
     and bf16 with grouped, biased routing (tensor descriptors throughout); the 64-token bucket of
-    each tuned to tail rows, the 16-token one to two streams (shifted views of the layout)."""
+    each tuned to tail rows, it and the 16-token one on two streams (shifted views of the layout)."""
     ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file() or subprocess.run([str(ptxas), "--version"], capture_output=True).returncode != 0:
         pytest.skip("no runnable ptxas in this Triton install")
@@ -307,7 +308,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path):
                for launch in replay["launches"]}
     assert kernels == {"moe_route_align_count", "moe_route_align_place", "moe_route_align", "moe_gate_up",
                        "moe_down_reduce", "moe_decode", "moe_decode_finish"}
-    assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64] and replay["two_stream_buckets"] == [16]
+    assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64] and replay["two_stream_buckets"] == [16, 64]
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
 
 

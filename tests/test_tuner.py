@@ -248,3 +248,29 @@ def test_descriptor_variants_need_aligned_rows():
     odd = KernelSignature(hidden_size=100, intermediate_size=36, num_experts=8, top_k=2, activation="silu",
                           dtype="bfloat16")  # 200-byte rows, 72-byte rows: not 16-byte aligned
     assert space.tma_candidates(default_config(odd, gpu, 1), odd, gpu) == []
+
+
+@pytest.mark.parametrize("spec,tokens,gpu_name,streams", [
+    ("qwen3-30b-a3b", 1, "h200", 1),         # the decode kernel's buckets: one stream
+    ("qwen3-30b-a3b", 8, "h200", 2),
+    ("qwen3-30b-a3b", 4096, "h200", 2),      # matrix work ~0.31 ms at the H200's rate
+    ("mixtral-8x7b", 512, "h200", 2),        # ~0.37 ms
+    ("mixtral-8x7b", 1024, "h200", 1),       # ~0.73 ms: measured slower on two streams
+    ("deepseek-v3", 2048, "h200", 1),
+    ("qwen3-30b-a3b", 512, "a100", 1),       # measured on Hopper only
+])
+def test_defaults_take_two_streams_for_little_matrix_work(spec, tokens, gpu_name, streams):
+    """Beyond decode sizes the cost model's default runs two streams on Hopper where the call's
+    matrix work is short; the search starts from one stream either way, so that each step's
+    candidates are valid (tail rows take two streams only in groups of 1), and its stream step
+    decides."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config, violation
+    from moegen.spec import load_spec
+    from moegen.tune import space
+
+    path = REPO / "specs" / f"{spec}.yaml"
+    sig, gpu = lower(load_spec(path), path).signature, _target(gpu_name)
+    default = default_config(sig, gpu, tokens)
+    assert default.streams == streams and violation(default, sig, gpu) is None
+    assert {(s.streams, s.decode_block_n) for s in space.starting_points(sig, gpu, tokens)} == {(1, 0)}

@@ -26,6 +26,11 @@ TAIL_ROWS = (16, 32, 64)
 DECODE_DEFAULT_MAX_TOKENS = 4
 DECODE_DEFAULT = dict(decode_block_n=64, decode_block_k=128, decode_block_h=256, decode_num_warps=4,
                       decode_num_stages=3)
+# Two-stream halves hide about one GEMM boundary, and two heavy GEMMs sharing the SMs cost a share
+# of the call: on the H200 the defaults of eight shapes (8 to 4096 tokens) ran 0.1-4.6% faster on
+# two streams where the call's matrix work takes under this long at the target's rate, and up to
+# 6.3% slower where it takes longer (docs/PERFORMANCE.md).
+TWO_STREAMS_MAX_COMPUTE_US = 600.0
 
 
 def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
@@ -113,7 +118,9 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -
     """Row blocks just cover the expected tokens per expert; memory-bound (few tokens) shapes
     get narrow N tiles and deep K tiles so enough CTAs stream the weights, compute-bound ones
     get large tiles. The 64- and 128-row configs, read through tensor descriptors on Hopper, are
-    the ones the H200 tuning runs chose most often for those row blocks (docs/PERFORMANCE.md)."""
+    the ones the H200 tuning runs chose most often for those row blocks (docs/PERFORMANCE.md).
+    Beyond decode sizes, calls of little matrix work run their row blocks in halves on two
+    streams on Hopper."""
     cost = bucket_cost(signature, target, tokens)
     tokens_per_expert = tokens * signature.top_k / max(cost.experts_touched, 1.0)
     block_m = min(max(pow2_at_least(tokens_per_expert), 16), 128)
@@ -131,6 +138,8 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -
                               down_num_stages=3, tma=descriptors_pay_off(signature, target))
     if tokens <= min(DECODE_DEFAULT_MAX_TOKENS, DECODE_MAX_TOKENS):
         config = replace(config, tma=descriptors_pay_off(signature, target), **DECODE_DEFAULT)
+    elif target.arch >= 90 and cost.compute_us < TWO_STREAMS_MAX_COMPUTE_US:
+        config = replace(config, streams=2)
     config = clamp_tiles(config, signature)
     # Shrink pipelining until the stages fit shared memory (fp32 tiles are twice as large).
     while violation(config, signature, target) and min(config.num_stages, config.down_num_stages,

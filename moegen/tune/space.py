@@ -116,11 +116,11 @@ def decode_candidates(base: KernelConfig, signature: KernelSignature, target, to
 
 def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
     """One start per block_m: the cost model's default with that row block, three-kernel path
-    only (the decode kernel is searched after)."""
-    default = replace(default_config(signature, target, tokens), decode_block_n=0)
+    on one stream only (the decode kernel and two streams are searched after)."""
+    default = replace(default_config(signature, target, tokens), decode_block_n=0, streams=1)
     starts = []
     for bm in block_m_candidates(default):
         start = default if bm == default.block_m else default_config(
             signature, target, max(1, int(tokens * bm / default.block_m)))
-        starts.append(replace(start, block_m=bm))
+        starts.append(replace(start, block_m=bm, decode_block_n=0, streams=1))
     return _keep(starts, signature, target) or [default]
