@@ -261,9 +261,10 @@ def test_descriptor_variants_need_aligned_rows():
 ])
 def test_defaults_take_two_streams_for_little_matrix_work(spec, tokens, gpu_name, streams):
     """Beyond decode sizes the cost model's default runs two streams on Hopper where the call's
-    matrix work is short; the search starts from one stream either way, so that each step's
-    candidates are valid (tail rows take two streams only in groups of 1), and its stream step
-    decides."""
+    matrix work is short. Every start of the search is a three-kernel config on one stream: one
+    with the decode kernel's fields had its GEMM candidates timed on the decode kernel, and on
+    one stream each step's candidates stay valid (tail rows take two streams only in groups of
+    1) until the stream step decides."""
     from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
     from moegen.spec import load_spec
