@@ -287,13 +287,16 @@ TAIL_CASES = [c for c in CASES if c.name in ("beyond_single_program_routing", "a
                                           activation="gelu", dtype="float16")),
     Case("tail_rows_grouped", 120, GROUPED),
 ]
+TAILS_OF_BOTH_WIDTHS = ("tail_rows_grouped",)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole_tail", "tail_split"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: c.name)
-def test_tail_rows(case, tma, package_factory):
+def test_tail_rows(case, tma, split, package_factory):
     """Blocks carrying their expert's last rows as tail rows (swapped MMAs in both GEMMs), routed
-    by the kernels and by the caller; split-K on the descriptor path."""
+    by the kernels and by the caller; split-K on the descriptor path; with tail_split, remainders
+    that fit half the tail take the half-width MMA."""
     from dataclasses import replace
 
     from moegen.runtime.fused import fused_experts, fused_moe
@@ -302,13 +305,16 @@ def test_tail_rows(case, tma, package_factory):
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
     x, logits, w13, w2, bias = _inputs(case, pkg, generator)
     config = replace(pkg.KERNELS.config_for(case.tokens), block_m=32, tail_m=16, tma=tma, split_k=1 + tma,
-                     block_n=16, block_k=32, down_block_n=32, down_block_k=16, decode_block_n=0)
+                     block_n=16, block_k=32, down_block_n=32, down_block_k=16, decode_block_n=0, tail_split=split)
     expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
     out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
     weights, ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
     counts = torch.bincount(ids.reshape(-1), minlength=pkg.SPEC.model.num_experts)
-    assert bool(((counts > 32) & (counts % 32 <= 16)).any())  # some expert does take tail rows
+    remainder = torch.where(counts > 32, counts % 32, 0)
+    assert bool(((remainder > 0) & (remainder <= 16)).any())  # some expert takes tail rows
+    if case.name in TAILS_OF_BOTH_WIDTHS:  # split: some fit the half tail, some take it whole
+        assert bool(((remainder > 0) & (remainder <= 8)).any()) and bool(((remainder > 8) & (remainder <= 16)).any())
     out = fused_experts(pkg.KERNELS, x, weights.to(x.dtype), ids, w13, w2, config=config)
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
 

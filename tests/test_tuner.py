@@ -143,6 +143,10 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             assert all(c.down_num_warps == 8 and c.down_max_registers == 128 for c in capped)
             assert {replace(c, down_max_registers=0) for c in capped} <= set(tail)
             assert not capped or (tma or down)[-1].down_num_warps == 8
+            # Wide tails also split, as twins; a 16-row tail has no half to split off.
+            split = [c for c in tail if c.tail_split]
+            assert all(c.tail_m >= 32 for c in split) and {replace(c, tail_split=False) for c in split} <= set(tail)
+            assert bool(split) == any(c.tail_m >= 32 for c in tail)
             tails_tried |= {c.tail_m for c in tail}
             base = (tail or tma or down)[-1]
             group = space.group_candidates(base, sig, gpu)
@@ -150,7 +154,7 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             assert len({c.group_m for c in group}) == len(group) == (0 if base.group_m == 1 else 3)
             # Two-stream halves; with tail rows only in groups of 1 (the second half's tail base
             # is shifted, which the grouping of more than one row block would misread).
-            for config in {base, replace(base, tail_m=0), replace(base, group_m=1)}:
+            for config in {base, replace(base, tail_m=0, tail_split=False), replace(base, group_m=1)}:
                 halves = replace(config, streams=2, group_m=1 if config.tail_m else config.group_m)
                 deeper = replace(halves, num_stages=halves.num_stages + 1)
                 streams = space.stream_candidates(config, sig, gpu)

@@ -54,6 +54,9 @@ class KernelConfig:
     # GEMM2's registers per thread (0: the compiler's choice). Tail rows raise its 8-warp tiles past
     # 128, which leaves room for one program per SM; capped at 128, two fit (and compile unspilled).
     down_max_registers: int = 0
+    # With tail_m 32 or 64: a block whose tail rows fit in the first half multiplies only that
+    # half (both GEMMs read it per block at run time), so a short remainder costs its own width.
+    tail_split: bool = False
     # The one-launch decode kernel, for batches of at most DECODE_MAX_TOKENS routed by fused_moe
     # (0: not used): its slice of I, step along H, width of its output chunks, warps, stages.
     decode_block_n: int = 0
@@ -73,7 +76,7 @@ class KernelConfig:
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
                 f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
-                + (f"_t{self.tail_m}" if self.tail_m else "")
+                + (f"_t{self.tail_m}" if self.tail_m else "") + ("s" if self.tail_split else "")
                 + (f"_r{self.down_max_registers}" if self.down_max_registers else "")
                 + ("_2s" if self.streams == 2 else "") + decode)
 
@@ -276,7 +279,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         num_tokens * ks.top_k, max_padded, 0 if first else out.numel(),
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        TAIL_M=aligned.tail_m, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if zeroed is not None:
         zeroed.record()
@@ -288,7 +292,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         num_tokens * ks.top_k, max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, USE_TMA=use_tma, **down_launch(cfg),
+        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma,
+        **down_launch(cfg),
     )
 
 
