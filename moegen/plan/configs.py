@@ -70,8 +70,8 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return f"GEMM2 accumulators leave too few of its {c.down_max_registers} registers"
     if c.tail_m and (c.tail_m not in TAIL_ROWS or c.tail_m >= c.block_m):
         return f"tail_m {c.tail_m} not one of {TAIL_ROWS} below block_m"
-    if c.tail_split and c.tail_m < 32:
-        return f"tail_split needs tail_m of at least 32 (its half tail must be 16 rows or more), not {c.tail_m}"
+    if c.tail_split and c.tail_m // 2 < min(TAIL_ROWS):
+        return f"tail_split needs a half tail of at least {min(TAIL_ROWS)} rows (tail_m {c.tail_m})"
     if c.streams not in (1, 2) or (c.streams == 2 and c.tail_m and c.group_m != 1):
         return f"streams {c.streams}: 1, or 2 (with tail rows only in groups of 1)"
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)

@@ -80,9 +80,10 @@ def tail_candidates(base: KernelConfig, signature: KernelSignature, target, toke
     if 4 * tokens * signature.top_k < 3 * base.block_m * signature.num_experts:
         return []
     tails = [replace(base, tail_m=t) for t in TAIL_ROWS]
-    # Each wide tail also split (a remainder within its first half takes the half-width MMA: 2-4%
-    # faster at Mixtral and DeepSeek-V3 prefill, 1-3% slower for many small experts, measured).
-    tails += [replace(c, tail_split=True) for c in tails if c.tail_m >= 2 * min(TAIL_ROWS)]
+    # Each also split where its half is wide enough (configs.violation): a remainder within the
+    # first half takes the half-width MMA (2-4% faster at Mixtral and DeepSeek-V3 prefill, 1-3%
+    # slower for many small experts, measured).
+    tails += [replace(c, tail_split=True) for c in tails]
     # Each also with GEMM2 capped to two programs per SM: tails of 32 rows take its 8-warp tiles
     # past that (one program per SM; capped, 3% faster at Qwen3 and Mixtral prefill, measured).
     capped = [replace(c, down_max_registers=cap) for c in tails
