@@ -200,7 +200,7 @@ def _confirming(search_times: dict, per_sample: dict):
         timed.append((config, sample))
         return per_sample[config][sample]
 
-    search._time = time_on
+    search._time_as_judged = time_on
     return search, timed
 
 
@@ -216,14 +216,18 @@ def _qwen3_configs(*groups: int):
 
 
 def test_confirmation_keeps_the_fastest_on_average():
-    """The search's three fastest and the default are timed again on every routing sample, in
-    turns; the best mean wins, not the best single time; nothing else is timed again."""
-    default, lucky, steady, third, fourth = _qwen3_configs(1, 2, 4, 16)
-    per_sample = {lucky: (10.0, 14.0, 15.0), steady: (11.0, 11.0, 11.5), third: (12.0, 12.0, 12.0),
-                  default: (20.0, 19.0, 21.0)}
-    search, timed = _confirming({lucky: 10.0, steady: 11.0, third: 12.0, fourth: 13.0, default: 20.0}, per_sample)
+    """The search's CONFIRM_FINALISTS fastest and the default are timed again on every routing
+    sample, in turns; the best mean wins, not the best single time; nothing else is timed again."""
+    from moegen.tune.runner import CONFIRM_FINALISTS
+
+    default, *ranked = _qwen3_configs(*range(1, CONFIRM_FINALISTS + 2))
+    finalists = ranked[:CONFIRM_FINALISTS]
+    lucky, steady = finalists[:2]
+    per_sample = {c: (12.0 + i,) * 3 for i, c in enumerate(finalists)}
+    per_sample.update({lucky: (10.0, 14.0, 15.0), steady: (11.0, 11.0, 11.5), default: (20.0, 19.0, 21.0)})
+    search, timed = _confirming({**{c: 10.0 + i for i, c in enumerate(ranked)}, default: 20.0}, per_sample)
     best, best_us, default_us = search.confirm(default, [0, 1, 2])
-    assert (best, best_us, default_us) == (steady, pytest.approx(11.5 / 3 + 22 / 3), pytest.approx(20.0))
+    assert (best, best_us, default_us) == (steady, pytest.approx(33.5 / 3), pytest.approx(20.0))
     assert sorted(set(timed), key=str) == sorted({(c, s) for c in per_sample for s in range(3)}, key=str)
     assert [s for _, s in timed] == sorted(s for _, s in timed)  # sample by sample, every finalist in turn
 
@@ -232,12 +236,17 @@ def test_confirmation_keeps_the_fastest_on_average():
                          ids=["fastest", "within_margin", "beyond_margin"])
 def test_confirmation_times_the_incumbent(incumbent_mean, kept):
     """A forced re-tune's incumbent (the entry it would replace) is a finalist even where the
-    search timed it outside the fastest three, and is kept unless the best finalist (here a
-    mean of 35/3) is more than INCUMBENT_MARGIN faster."""
-    default, first, second, third, incumbent = _qwen3_configs(1, 2, 4, 16)
-    per_sample = {first: (10.0, 13.0, 13.0), second: (11.0, 12.0, 12.0), third: (12.0, 12.0, 12.0),
-                  incumbent: (14.0, 10.0, 3 * incumbent_mean - 24.0), default: (20.0, 20.0, 20.0)}
-    search, timed = _confirming({first: 10.0, second: 11.0, third: 12.0, incumbent: 14.0, default: 20.0}, per_sample)
+    search timed it outside the fastest CONFIRM_FINALISTS, and is kept unless the best finalist
+    (here a mean of 35/3) is more than INCUMBENT_MARGIN faster."""
+    from moegen.tune.runner import CONFIRM_FINALISTS
+
+    default, *ranked, incumbent = _qwen3_configs(*range(1, CONFIRM_FINALISTS + 2))
+    first, second = ranked[:2]
+    per_sample = {c: (12.0 + i,) * 3 for i, c in enumerate(ranked)}
+    per_sample.update({first: (10.0, 13.0, 13.0), second: (11.0, 12.0, 12.0), default: (20.0, 20.0, 20.0),
+                       incumbent: (14.0, 10.0, 3 * incumbent_mean - 24.0)})
+    search_times = {**{c: 10.0 + i for i, c in enumerate(ranked)}, incumbent: 30.0, default: 20.0}
+    search, timed = _confirming(search_times, per_sample)
     assert search.confirm(default, [0, 1, 2], incumbent)[0] == (incumbent if kept else second)
     assert {c for c, _ in timed} == set(per_sample)
     assert search.confirm(default, [0, 1, 2])[0] == second

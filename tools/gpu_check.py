@@ -40,7 +40,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,53 +136,28 @@ def run_tests(env: dict, say: Report) -> bool:
 
 
 class Timer:
-    """Median wall time of fn() in microseconds: CUDA events on the GPU, perf_counter on the CPU.
-    On the GPU, L2 is evicted (a clean 256 MiB read, no dirty lines to write back) before each
-    timed call, outside the timed region."""
+    """Median wall time of fn() in microseconds: on the GPU moegen.tune.bench.time_evicted (CUDA
+    events, L2 evicted by a clean 256 MiB read before each timed call, outside the timed region),
+    which the tuner's confirmation also times with; perf_counter on the CPU."""
 
     def __init__(self, torch, device, quick: bool):
         self.torch, self.device, self.quick = torch, device, quick
         self.cuda = device.type == "cuda"
-        self._flush_buf = (torch.ones(128 << 20, dtype=torch.float16, device=device) if self.cuda else None)
 
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
-
-    def flush(self) -> None:
-        if self._flush_buf is not None:
-            self._flush_buf.sum()
-
-    def samples(self, fn: Callable, reps: int) -> list[float]:
-        if not self.cuda:
-            out = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - start) * 1e6)
-            return out
-        torch = self.torch
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for start, end in zip(starts, ends):
-            self.flush()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
     def median_us(self, fn: Callable, warmup: int = 2, target_s: Optional[float] = None,
                   min_reps: Optional[int] = None, max_reps: Optional[int] = None) -> float:
         target_s = target_s if target_s is not None else (0.08 if self.quick else 0.4)
         min_reps = min_reps if min_reps is not None else (3 if self.quick else 5)
         max_reps = max_reps if max_reps is not None else (25 if self.quick else 200)
-        for _ in range(max(warmup - 1, 0)):
-            fn()
-        self.sync()
-        estimate = self.samples(fn, 1)[0]
-        reps = int(min(max(target_s * 1e6 / max(estimate, 1.0), min_reps), max_reps))
-        return statistics.median(self.samples(fn, reps))
+        from moegen.tune.bench import time_cpu, time_evicted
+
+        if self.cuda:
+            return time_evicted(fn, warmup, target_s, min_reps, max_reps)
+        return time_cpu(fn, repeats=min_reps)  # the CPU smoke run: only that it runs
 
 
 # ---------------------------------------------------------------------------------------------

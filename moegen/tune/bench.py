@@ -49,6 +49,53 @@ def time_call(fn: Callable[[], object], on_gpu: bool) -> float:
     return time_cuda_graph(fn) if on_gpu else time_cpu(fn)
 
 
+@functools.cache
+def _l2_flush_buffer(device: int) -> torch.Tensor:
+    # 256 MiB, several times any GPU's L2; only ever read, so evicting leaves no dirty lines.
+    return torch.ones(128 << 20, dtype=torch.float16, device=torch.device("cuda", device))
+
+
+def _evict_l2() -> None:
+    """Replace L2's contents with lines of a buffer nothing else reads (on the current stream)."""
+    _l2_flush_buffer(torch.cuda.current_device()).sum()
+
+
+def _evicted_samples(fn: Callable[[], object], reps: int) -> list[float]:
+    """Microseconds of each of reps calls of fn, L2 evicted before each outside the timed region."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        _evict_l2()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
+def time_evicted(fn: Callable[[], object], warmup: int = 2, target_s: float = 0.4, min_reps: int = 5,
+                 max_reps: int = 200) -> float:
+    """Median microseconds of single calls of fn, each from an evicted L2, over about target_s:
+    how gpu_check times every cell (one call at a time, as a model's layers meet it, and over
+    long enough that compute-heavy calls run at the clocks the power cap settles them at)."""
+    for _ in range(max(warmup - 1, 0)):
+        fn()
+    torch.cuda.synchronize()
+    estimate = _evicted_samples(fn, 1)[0]
+    reps = int(min(max(target_s * 1e6 / max(estimate, 1.0), min_reps), max_reps))
+    return statistics.median(_evicted_samples(fn, reps))
+
+
+def time_call_evicted(fn: Callable[[], object], on_gpu: bool) -> float:
+    """time_evicted of fn captured in a CUDA graph (wall clock on the CPU)."""
+    if not on_gpu:
+        return time_cpu(fn)
+    graph, _ = capture_graph(fn)
+    us = time_evicted(graph.replay)
+    del graph
+    return us
+
+
 @functools.cache  # one jitted kernel per process: gpu_check asks for it once per memory-bound cell
 def streaming_read_kernel():
     import triton
