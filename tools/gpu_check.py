@@ -9,7 +9,7 @@
 2. Measures the two ceilings in this process: HBM bandwidth (moegen.tune.bench.measure_ceilings,
    as the tuner: the better of a 4 GiB device-to-device copy, counting bytes read + written, and
    a streaming-read Triton kernel) and the bf16 GEMM rate (8192^3 matmul, random data), timed as
-   the kernels of step 3 are (the tuner's short-burst figure is printed beside it).
+   the kernels of step 3 are.
 3. For each shipped spec and token count, times moegen's fused_moe (routing included), a naive
    per-expert PyTorch loop and torch._grouped_mm, each first checked against the float64
    reference (T <= 4096 only: the reference at T = 16384 costs more than the whole benchmark).
@@ -171,7 +171,6 @@ class Ceilings:
     read_gbps: float
     gemm_tflops: float  # timed like the kernels: the floor's rate
     gemm_dtype: str
-    gemm_burst_tflops: float  # timed like the tuner: short bursts of graph replays
 
     @property
     def hbm_gbps(self) -> float:
@@ -180,21 +179,11 @@ class Ceilings:
 
 def measure_ceilings(torch, device, timer: Timer, smoke: bool) -> Ceilings:
     if timer.cuda:
-        from moegen.runtime.step_graphs import capture_graph
         from moegen.tune.bench import measure_ceilings as measure
 
-        copy_gbps, read_gbps, _, burst_tflops = measure()  # the tuner's figures
-        # The GEMM rate again with the timer the kernels get (seconds of back-to-back calls,
-        # L2 evicted between them): the clocks settle lower under sustained matrix work than
-        # in the tuner's short bursts, and the floor must be measured as the kernels are.
-        n = 8192
-        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        graph, _ = capture_graph(lambda: a @ b)
-        tflops = 2 * n ** 3 / (timer.median_us(graph.replay) * 1e6)
-        del graph, a, b
+        copy_gbps, read_gbps, _, tflops = measure()  # the tuner's figures: its GEMM rate timed as the kernels
         torch.cuda.empty_cache()
-        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16", burst_tflops)
+        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16")
     # CPU smoke run: small problems, figures only to exercise the table.
     src = torch.ones(64 << 20, dtype=torch.uint8)
     t = timer.median_us(lambda: src.clone(), warmup=1, target_s=0.05)
@@ -202,7 +191,7 @@ def measure_ceilings(torch, device, timer: Timer, smoke: bool) -> Ceilings:
     a = torch.randn(n, n)
     t_mm = timer.median_us(lambda: a @ a, warmup=1, target_s=0.05)
     tflops = 2 * n ** 3 / (t_mm * 1e6)
-    return Ceilings(2 * src.numel() / (t * 1e3), src.numel() / (t * 1e3), tflops, "float32", tflops)
+    return Ceilings(2 * src.numel() / (t * 1e3), src.numel() / (t * 1e3), tflops, "float32")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,8 +553,7 @@ def main(argv=None) -> int:
     say(f"- memory bandwidth: {ceil.hbm_gbps:.0f} GB/s (device-to-device copy {ceil.copy_gbps:.0f} GB/s "
         f"counting read + write; streaming-read kernel {ceil.read_gbps:.0f} GB/s)")
     say(f"- {ceil.gemm_dtype} GEMM: {ceil.gemm_tflops:.1f} TFLOP/s ({256 if args.cpu_smoke else 8192}^3 "
-        f"torch.matmul, random data, timed as the kernels below; {ceil.gemm_burst_tflops:.1f} TFLOP/s in the "
-        "tuner's short bursts)")
+        f"torch.matmul, random data, timed as the kernels below)")
     say()
 
     ctx = dict(torch=torch, device=device, timer=timer, ceil=ceil, args=args)
