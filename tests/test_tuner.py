@@ -196,7 +196,7 @@ def _confirming(search_times: dict, per_sample: dict):
     search.times = dict(search_times)
     timed = []
 
-    def time_on(config, sample):
+    def time_on(config, sample, target_s):
         timed.append((config, sample))
         return per_sample[config][sample]
 
@@ -250,6 +250,23 @@ def test_confirmation_times_the_incumbent(incumbent_mean, kept):
     assert search.confirm(default, [0, 1, 2], incumbent)[0] == (incumbent if kept else second)
     assert {c for c, _ in timed} == set(per_sample)
     assert search.confirm(default, [0, 1, 2])[0] == second
+
+
+def test_tail_step_ranks_as_judged_on_every_sample():
+    """The tail-row step verifies and times its candidates as every step does, then keeps the
+    one of them or the step's config with the best mean as judged over all samples (not the
+    best burst), at its burst time; a candidate that failed is not timed again."""
+    import math
+
+    base, bursty, steady, broken = _qwen3_configs(1, 2, 4)
+    bursts = {base: 12.0, bursty: 10.0, steady: 11.0}
+    per_sample = {base: (12.0,) * 3, bursty: (13.0, 9.0, 14.0), steady: (11.0, 11.0, 11.5)}
+    search, timed = _confirming({base: 12.0}, per_sample)
+    search.measure = lambda c: search.times.setdefault(c, bursts[c]) if c in bursts else math.inf
+    assert search.improve_as_judged(base, [bursty, steady, broken], [0, 1, 2]) == (steady, 11.0)
+    assert sorted(timed, key=str) == sorted(((c, s) for c in per_sample for s in range(3)), key=str)
+    timed.clear()
+    assert search.improve_as_judged(base, [], [0, 1, 2]) == (base, 12.0) and not timed
 
 
 def test_descriptor_variants_need_aligned_rows():

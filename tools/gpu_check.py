@@ -150,10 +150,11 @@ class Timer:
 
     def median_us(self, fn: Callable, warmup: int = 2, target_s: Optional[float] = None,
                   min_reps: Optional[int] = None, max_reps: Optional[int] = None) -> float:
-        target_s = target_s if target_s is not None else (0.08 if self.quick else 0.4)
+        from moegen.tune.bench import JUDGED_TIMING_S, time_cpu, time_evicted
+
+        target_s = target_s if target_s is not None else (0.08 if self.quick else JUDGED_TIMING_S)
         min_reps = min_reps if min_reps is not None else (3 if self.quick else 5)
         max_reps = max_reps if max_reps is not None else (25 if self.quick else 200)
-        from moegen.tune.bench import time_cpu, time_evicted
 
         if self.cuda:
             return time_evicted(fn, warmup, target_s, min_reps, max_reps)

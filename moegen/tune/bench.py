@@ -73,7 +73,10 @@ def _evicted_samples(fn: Callable[[], object], reps: int) -> list[float]:
     return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
 
 
-def time_evicted(fn: Callable[[], object], warmup: int = 2, target_s: float = 0.4, min_reps: int = 5,
+JUDGED_TIMING_S = 0.4
+
+
+def time_evicted(fn: Callable[[], object], warmup: int = 2, target_s: float = JUDGED_TIMING_S, min_reps: int = 5,
                  max_reps: int = 200) -> float:
     """Median microseconds of single calls of fn, each from an evicted L2, over about target_s:
     how gpu_check times every cell (one call at a time, as a model's layers meet it, and over
@@ -86,12 +89,12 @@ def time_evicted(fn: Callable[[], object], warmup: int = 2, target_s: float = 0.
     return statistics.median(_evicted_samples(fn, reps))
 
 
-def time_call_evicted(fn: Callable[[], object], on_gpu: bool) -> float:
+def time_call_evicted(fn: Callable[[], object], on_gpu: bool, target_s: float = JUDGED_TIMING_S) -> float:
     """time_evicted of fn captured in a CUDA graph (wall clock on the CPU)."""
     if not on_gpu:
         return time_cpu(fn)
     graph, _ = capture_graph(fn)
-    us = time_evicted(graph.replay)
+    us = time_evicted(graph.replay, target_s=target_s)
     del graph
     return us
 

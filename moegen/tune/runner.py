@@ -65,6 +65,10 @@ class TuneReport:
 # few % apart (docs/PERFORMANCE.md).
 CONFIRM_FINALISTS = 5
 CONFIRM_SAMPLES = 3
+# The tail-row step ranks its candidates the same way, on all samples but over shorter timings
+# (the tuner keeps the GPU busy, so its clocks are already settled): which tail pads least depends
+# on the routing sample, and bursts mis-ranked tails at Mixtral's 512 tokens (docs/PERFORMANCE.md).
+STEP_TIMING_S = 0.15
 # A forced re-tune replaces the database's entry only with a config at least this much faster on
 # average: on the H200 the means of near-equal configs differ by ~0.1-1% between runs, and an
 # entry that flips on noise churns the shared database for nothing.
@@ -137,8 +141,17 @@ class _Search:
     def _time(self, config: KernelConfig, sample: _Sample) -> float:
         return bench.time_call(lambda: self._call(config, sample), self.on_gpu)
 
-    def _time_as_judged(self, config: KernelConfig, sample: _Sample) -> float:
-        return bench.time_call_evicted(lambda: self._call(config, sample), self.on_gpu)
+    def _time_as_judged(self, config: KernelConfig, sample: _Sample, target_s: float) -> float:
+        return bench.time_call_evicted(lambda: self._call(config, sample), self.on_gpu, target_s)
+
+    def judged_means(self, configs, samples, target_s: float = bench.JUDGED_TIMING_S) -> dict[KernelConfig, float]:
+        """Each config's mean microseconds over samples as gpu_check times a call, sample by
+        sample with every config in turn (so drifting clocks meet them all alike)."""
+        means = dict.fromkeys(configs, 0.0)
+        for sample in samples:
+            for config in configs:
+                means[config] += self._time_as_judged(config, sample, target_s) / len(samples)
+        return means
 
     def measure(self, config: KernelConfig) -> float:
         """Microseconds per call, or inf if the config fails to compile, launch or verify."""
@@ -172,10 +185,7 @@ class _Search:
         The incumbent stays unless the best is INCUMBENT_MARGIN faster."""
         finalists = sorted(self.times, key=self.times.get)[:CONFIRM_FINALISTS]
         finalists += [c for c in dict.fromkeys((default, incumbent)) if c in self.times and c not in finalists]
-        means = dict.fromkeys(finalists, 0.0)
-        for sample in samples:
-            for config in finalists:
-                means[config] += self._time_as_judged(config, sample) / len(samples)
+        means = self.judged_means(finalists, samples)
         self.log("    confirmed on %d routings: %s" % (len(samples), ", ".join(
             f"{c.key}{' (incumbent)' if c == incumbent else ''} {self.times[c]:.1f} -> {t:.1f} us"
             for c, t in means.items())))
@@ -183,6 +193,18 @@ class _Search:
         if incumbent in means and means[best] > means[incumbent] * (1 - INCUMBENT_MARGIN):
             best = incumbent
         return best, means[best], means.get(default, math.inf)
+
+    def improve_as_judged(self, config: KernelConfig, configs, samples) -> tuple[KernelConfig, float]:
+        """(config or the fastest of configs by judged_means over samples, its search time)."""
+        if not configs:
+            return config, self.times.get(config, math.inf)
+        self.best_of(configs)  # verified and timed like every candidate; failures drop out
+        ran = [c for c in (config, *configs) if c in self.times]
+        if not ran:
+            return config, math.inf
+        means = self.judged_means(ran, samples, STEP_TIMING_S)
+        best = min(ran, key=means.get)
+        return best, self.times[best]
 
     def improve(self, config: KernelConfig, time_us: float, configs) -> tuple[KernelConfig, float]:
         """(config, time_us), or the fastest of configs where it is faster."""
@@ -233,6 +255,9 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
         weights = _weights(ir, device)
         for index, tokens in enumerate(todo, 1):
             problem = _Problem(ir, tokens, weights, device, ceilings)
+            # The interpreter's wall time says nothing about the GPU: one sample there.
+            samples = [problem] + [_Sample(ir, tokens, weights, device, seed=tokens + 1000 * s)
+                                   for s in range(1, CONFIRM_SAMPLES if on_gpu else 1)]
             search = _Search(kernels, problem, on_gpu, failures, log)
             default = default_config(ir.signature, gpu, tokens)
             default_time = search.measure(default)
@@ -252,7 +277,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 step, step_time = search.improve(step, step_time, tma)
                 # Tail rows per row block: they change which block size pads least.
                 tail = space.tail_candidates(step, ir.signature, gpu, tokens)
-                step, step_time = search.improve(step, step_time, tail)
+                step, step_time = search.improve_as_judged(step, tail, samples)
                 group = space.group_candidates(step, ir.signature, gpu)
                 step, step_time = search.improve(step, step_time, group)
                 streams = space.stream_candidates(step, ir.signature, gpu)
@@ -277,9 +302,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 progress("incumbent")
             if math.isinf(best_time):
                 raise MoegenError(f"no config ran correctly for {tokens} tokens; failures: {list(failures.items())[:3]}")
-            if on_gpu:  # the interpreter's wall time says nothing about the GPU: one sample there
-                samples = [problem] + [_Sample(ir, tokens, weights, device, seed=tokens + 1000 * s)
-                                       for s in range(1, CONFIRM_SAMPLES)]
+            if on_gpu:
                 best, best_time, default_time = search.confirm(default, samples, incumbent)
                 progress("confirmation")
             benchmarked += search.timed
@@ -288,7 +311,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
             saved = _save(target_dir, metadata, result, failures)  # per bucket: an interrupted run keeps its work
             log(f"  bucket {index}/{len(todo)} T={tokens}: best {best.key} {best_time:.1f} us, "
                 f"default {default_time:.1f} us ({time.perf_counter() - started:.0f} s elapsed)")
-            del problem
+            del problem, samples
     report = TuneReport(gpu.name, spec.name, tuple(results), tuple(sorted(known)), benchmarked, saved,
                         time.perf_counter() - started)
     print(format_report(report), file=out)
