@@ -561,8 +561,14 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     colds: list[Cold] = []
     problems: list[str] = []
+    rate_before: dict[str, float] = {}  # the GEMM rate again before each spec: how far it drifts
     with tempfile.TemporaryDirectory(prefix="moegen-gpu-check-") as build_dir:
         for spec_name in args.spec_list:
+            if timer.cuda:
+                from moegen.tune.bench import measure_gemm_tflops
+
+                rate_before[spec_name] = measure_gemm_tflops()
+                torch.cuda.empty_cache()
             try:
                 cold, spec_rows, spec_problems = bench_spec(ctx, spec_name, Path(build_dir))
             except Exception as exc:  # noqa: BLE001 - keep going with the other specs
@@ -591,6 +597,9 @@ def main(argv=None) -> int:
     say(f"- err: relative Frobenius error vs the float64 reference, moegen / naive / grouped_mm; "
         f"checked for T <= {REFERENCE_MAX_TOKENS} only ('-' above: the reference is too slow there); "
         "**WRONG**: above the dtype's tolerance or not finite")
+    if rate_before:
+        say(f"- {ceil.gemm_dtype} GEMM rate measured again before each spec (the floors use the one above): "
+            + ", ".join(f"{name} {rate:.1f}" for name, rate in rate_before.items()) + " TFLOP/s")
     notes = sorted({f"{r.spec} T={r.tokens} {n}: {res.note}" for r in rows for n, res in r.results.items()
                     if res.note and not res.note.startswith("eager")})
     for note in notes:

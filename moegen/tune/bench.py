@@ -136,7 +136,11 @@ def measure_ceilings(device: str = "cuda") -> tuple[float, float, float, float]:
     copy_gbps = 2 * numel * 2 / (copy_us * 1e3)
     read_gbps = numel * 2 / (read_us * 1e3)
     del src
+    return copy_gbps, read_gbps, max(copy_gbps, read_gbps), measure_gemm_tflops(device)
+
+
+def measure_gemm_tflops(device: str = "cuda") -> float:
+    """bf16 TFLOP/s of an 8192^3 matmul on random data, timed as the calls whose floor it sets."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    tflops = 2 * 8192 ** 3 / (time_call_evicted(lambda: a @ b, on_gpu=True) * 1e6)
-    return copy_gbps, read_gbps, max(copy_gbps, read_gbps), tflops
+    return 2 * 8192 ** 3 / (time_call_evicted(lambda: a @ b, on_gpu=True) * 1e6)
