@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moegen import reference as ref
-from moegen.runtime.align import align_tokens, run_rows
+from moegen.runtime.align import EXPERT_MASK, LEFT_SHIFT, RANK_SHIFT, RUN_WRAP, align_tokens, run_rows
 
 TOLERANCE = ref.TOLERANCE
 TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -118,30 +118,58 @@ STREAM_CASES = [c for c in CASES if c.name in ("one_token", "odd_tokens", "sever
                                                 "half_experts_idle", "fp16_gelu_even_k")]
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: c.name)
-def test_two_stream_halves(case, tma, package_factory):
-    """Row blocks in two halves (GEMM1 then GEMM2 each; on the CPU one after the other): shifted
-    views, only the first half zeroing the output, a second half that the routing may leave
-    empty (all tokens on one expert: fewer blocks than the uniform estimate) or overfull
-    (several blocks per expert); with tail rows in groups of 1 beyond 70 tokens (the second
-    half's shifted tail base); routed by the kernels and by the caller."""
-    from dataclasses import replace
-
+def _check_both_routings(pkg, x, logits, w13, w2, bias, config):
+    """config's call against the float64 reference, routed by the kernels and by the caller."""
     from moegen.runtime.fused import fused_experts, fused_moe
 
-    pkg = package_factory(**case.model)
-    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
-    x, logits, w13, w2, bias = _inputs(case, pkg, generator)
-    config = replace(pkg.KERNELS.config_for(case.tokens), streams=2, tail_m=0, decode_block_n=0, tma=tma)
-    if case.tokens >= 70:
-        config = replace(config, block_m=16, tail_m=8, group_m=1)
     expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
     out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
     weights, ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
     out = fused_experts(pkg.KERNELS, x, weights.to(x.dtype), ids, w13, w2, config=config)
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: c.name)
+def test_two_stream_halves(case, tma, package_factory):
+    """Row blocks in two halves (GEMM1 then GEMM2 each; on the CPU one after the other): shifted
+    views, only the first half zeroing the output, a second half that the routing may leave
+    empty (all tokens on one expert: fewer blocks than the uniform estimate) or overfull
+    (several blocks per expert); with tail rows in groups of 4 beyond 70 tokens (the second
+    half's shifted tail base, groups cut by the halves); routed by the kernels and by the
+    caller."""
+    from dataclasses import replace
+
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
+    x, logits, w13, w2, bias = _inputs(case, pkg, generator)
+    config = replace(pkg.KERNELS.config_for(case.tokens), streams=2, tail_m=0, decode_block_n=0, tma=tma)
+    if case.tokens >= 70:
+        config = replace(config, block_m=16, tail_m=8, group_m=4, block_n=16, down_block_n=16)
+    _check_both_routings(pkg, x, logits, w13, w2, bias, config)
+
+
+GROUP_CASES = [Case("runs_of_several_blocks", 200, BASE),
+               Case("runs_beyond_rank_wrap", 300, dict(BASE, top_k=1), routing="one_expert")]
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("group_m", [2, 4, 16])
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: c.name)
+def test_row_block_groups_within_runs(case, group_m, streams, package_factory):
+    """Row blocks grouped from each run's first block (16-row blocks: runs of 4-6 blocks, and of
+    19, beyond the words' rank wrap), on one stream and in two-stream halves (whose views cut
+    runs), routed by the kernels and by the caller."""
+    from dataclasses import replace
+
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + group_m)
+    x, logits, w13, w2, bias = _inputs(case, pkg, generator)
+    # Narrow tiles: several N tiles per block (2 in GEMM1, 3 in GEMM2), so that the order matters.
+    config = replace(pkg.KERNELS.config_for(case.tokens), block_m=16, tail_m=0, group_m=group_m, streams=streams,
+                     block_n=16, down_block_n=16, split_k=1, decode_block_n=0)
+    _check_both_routings(pkg, x, logits, w13, w2, bias, config)
 
 
 DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
@@ -205,19 +233,34 @@ ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "f
     Case("deepseek_v3_routing", 37, dict(GROUPED, num_experts=256, top_k=8, n_group=8, topk_group=4)),
     Case("groups_of_six", 29, dict(GROUPED, num_experts=24, top_k=4, n_group=4, topk_group=2)),
     Case("tied_scores", 17, dict(BASE, num_experts=12, top_k=4), routing="ties"),
+    Case("run_beyond_rank_wrap", 150, dict(BASE, top_k=1), routing="one_expert"),  # 19 blocks of 8 on expert 2
 ]
 
 
-def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: int, tail_m: int) -> torch.Tensor:
+def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: int, tail_m: int,
+                  run_words: bool = True) -> torch.Tensor:
     """Every slot exactly once, in a row block (or the tail rows of the last block) of its expert's
     run; runs padded exactly as run_rows says; the other rows of the blocks in use the sentinel
-    (rows beyond them are never read). Returns the expert of each slot as the layout says."""
+    (rows beyond them are never read); each block's word: its expert and (run_words) its rank in
+    the run modulo RUN_WRAP and the blocks left in it, capped. Returns the expert of each slot
+    as the layout says."""
     num_slots = expert_of_slot.numel()
     used, blocks = int(a.num_padded), int(a.num_padded) // block_m
     slots = a.sorted_slots.long().cpu()
+    words = a.block_runs.long().cpu()[:blocks]
+    experts = words & EXPERT_MASK
     counts = torch.bincount(expert_of_slot, minlength=num_experts)
     assert used == int(run_rows(counts, block_m, tail_m).sum())
     assert slots.numel() == a.max_padded + a.max_padded // block_m * tail_m
+    run_blocks = run_rows(counts, block_m, tail_m) // block_m
+    run_first = run_blocks.cumsum(0) - run_blocks
+    if run_words:
+        index = torch.arange(blocks)
+        rank, left = index - run_first[experts], run_first[experts] + run_blocks[experts] - index
+        assert torch.equal(words >> RANK_SHIFT & (RUN_WRAP - 1), rank % RUN_WRAP)
+        assert torch.equal((words >> LEFT_SHIFT & (RUN_WRAP - 1)) + 1, left.clamp(max=RUN_WRAP))
+    else:
+        assert bool((words == experts).all())
     ids = torch.full((num_slots,), -1, dtype=torch.long)
     for b in range(blocks):
         block = slots[b * block_m:(b + 1) * block_m]
@@ -226,10 +269,10 @@ def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: in
         assert block.numel() > 0
         if tail.numel():  # only a full last block of its run carries tail rows
             assert block.numel() == block_m
-            assert b + 1 == blocks or int(a.block_expert[b + 1]) != int(a.block_expert[b])
+            assert b + 1 == blocks or int(experts[b + 1]) != int(experts[b])
         for s in (block, tail):
             assert bool((ids[s] == -1).all())
-            ids[s] = int(a.block_expert[b])
+            ids[s] = int(experts[b])
     assert bool((ids == expert_of_slot).all())
     return ids
 
@@ -270,14 +313,18 @@ def test_single_program_routing_threshold(experts, knob, expected, monkeypatch):
     assert fused.single_route_max_tokens(experts) == expected
 
 
+@pytest.mark.parametrize("group_m", [1, 4])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tail_m", [0, 16])
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16),
-                                                          (150, 4, 1, 32)])
-def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m, ids_dtype):
+                                                          (150, 4, 1, 32), (700, 3, 1, 16)])
+def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m, ids_dtype, group_m):
+    """The caller-routing layout; runs of up to ~15 and of more than RUN_WRAP blocks (700 tokens
+    on 3 experts); groups of 1 carry only the expert in the blocks' words."""
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(ids_dtype)
-    _check_layout(align_tokens(ids, experts, block_m, tail_m), ids.reshape(-1).long(), experts, block_m, tail_m)
+    _check_layout(align_tokens(ids, experts, block_m, tail_m, group_m), ids.reshape(-1).long(), experts, block_m,
+                  tail_m, run_words=group_m > 1)
 
 
 # Each has experts with just over one 32-row block (a remainder of at most 16: tail rows).
@@ -298,8 +345,6 @@ def test_tail_rows(case, tma, split, package_factory):
     by the kernels and by the caller; split-K on the descriptor path; with tail_split, remainders
     that fit half the tail take the half-width MMA."""
     from dataclasses import replace
-
-    from moegen.runtime.fused import fused_experts, fused_moe
 
     pkg = package_factory(**case.model)
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)

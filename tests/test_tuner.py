@@ -152,17 +152,14 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
             group = space.group_candidates(base, sig, gpu)
             assert all(violation(c, sig, gpu) is None and c.group_m < base.group_m for c in group)
             assert len({c.group_m for c in group}) == len(group) == (0 if base.group_m == 1 else 3)
-            # Two-stream halves; with tail rows only in groups of 1 (the second half's tail base
-            # is shifted, which the grouping of more than one row block would misread).
+            # Two-stream halves, with the config's tail rows and groups.
             for config in {base, replace(base, tail_m=0, tail_split=False), replace(base, group_m=1)}:
-                halves = replace(config, streams=2, group_m=1 if config.tail_m else config.group_m)
+                halves = replace(config, streams=2)
                 deeper = replace(halves, num_stages=halves.num_stages + 1)
                 streams = space.stream_candidates(config, sig, gpu)
                 assert streams in ([halves], [halves, deeper])
                 assert all(violation(c, sig, gpu) is None for c in streams)
                 assert (deeper in streams) == (violation(deeper, sig, gpu) is None)
-                assert (violation(replace(config, streams=2), sig, gpu) is None) \
-                    == (not config.tail_m or config.group_m == 1)
     # Tail rows where experts expect about a block or more, never at decode sizes.
     assert bool(tails_tried) == (tokens >= 512)
 

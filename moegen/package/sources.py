@@ -12,6 +12,7 @@ from moegen.plan import BuildPlan
 from moegen.plan.configs import pow2_at_least
 from moegen.plan.cost_model import FORMULAS, matrix_tflops
 from moegen.plan.offload import OFFLOAD_FORMULAS, OffloadPlan
+from moegen.runtime.align import EXPERT_MASK, LEFT_SHIFT, RANK_SHIFT, RUN_WRAP
 from moegen.render import (DECODE_TEMPLATE, DOT_PRECISION, DOWN_TEMPLATE, GATE_UP_TEMPLATE, ROUTE_ALIGN_TEMPLATE,
                            TORCH_DTYPES, kernel_name, render, template_hashes)
 
@@ -100,6 +101,7 @@ def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]
         renormalize=repr(r.renormalize), routed_scaling_factor=repr(float(r.routed_scaling_factor)),
         n_group=r.n_group, n_group_pow2=pow2_at_least(r.n_group), topk_group=r.topk_group,
         group_size_pow2=pow2_at_least(r.num_experts // r.n_group),
+        run_wrap=RUN_WRAP, rank_shift=RANK_SHIFT, left_shift=LEFT_SHIFT, expert_mask=EXPERT_MASK,
     )
     files = {
         "_moe_route_align.py": render(ROUTE_ALIGN_TEMPLATE, **route_values),

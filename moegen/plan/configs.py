@@ -21,6 +21,9 @@ MAX_REGISTERS_PER_THREAD = 255
 CAPPED_OTHER_REGISTERS = 48
 # Tail row counts a block may carry (the swapped MMA's narrow side: a power of two, >= 16).
 TAIL_ROWS = (16, 32, 64)
+# Row blocks per group: divisors of the routing's RUN_WRAP (16), which a block's word keeps its
+# rank in the expert's run modulo.
+ROW_GROUPS = (1, 2, 4, 8, 16)
 # Batches this small default to the one-launch decode kernel, with the tile that was best or
 # within 3% of it at one token for all four H200-tuned shapes (docs/PERFORMANCE.md).
 DECODE_DEFAULT_MAX_TOKENS = 4
@@ -72,8 +75,10 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return f"tail_m {c.tail_m} not one of {TAIL_ROWS} below block_m"
     if c.tail_split and c.tail_m // 2 < min(TAIL_ROWS):
         return f"tail_split needs a half tail of at least {min(TAIL_ROWS)} rows (tail_m {c.tail_m})"
-    if c.streams not in (1, 2) or (c.streams == 2 and c.tail_m and c.group_m != 1):
-        return f"streams {c.streams}: 1, or 2 (with tail rows only in groups of 1)"
+    if c.group_m not in ROW_GROUPS:
+        return f"group_m {c.group_m} not one of {ROW_GROUPS} (groups divide the runs' rank wrap)"
+    if c.streams not in (1, 2):
+        return f"streams {c.streams}: 1 or 2"
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
     if c.block_n > max(16, i) or c.block_k > max(16, h) or c.down_block_n > max(16, h) or c.down_block_k > max(16, i):
         return "tile wider than the dimension it covers"

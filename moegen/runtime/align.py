@@ -4,6 +4,11 @@ to exactly one expert. With tail_m > 0, a run longer than one block whose remain
 tail_m rows is not padded: the remainder goes to the tail rows of the run's last block b, rows
 max_padded + b * tail_m + j (the layout the routing kernels write too).
 
+Every row block gets a word for the grouped GEMMs: its expert, its rank in the expert's run of
+blocks modulo RUN_WRAP and the blocks left in the run from it (itself included, capped at
+RUN_WRAP), so that they group row blocks within one run (groups of a size dividing RUN_WRAP)
+without searching for the run's start.
+
 All shapes are static functions of (T, k, E, BLOCK_M) and nothing is read back to the host,
 so the step is capturable in a CUDA graph.
 """
@@ -13,6 +18,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+# The layout of a row block's word (the routing kernels write the same).
+RUN_WRAP = 16
+RANK_SHIFT = 16
+LEFT_SHIFT = 20
+EXPERT_MASK = (1 << RANK_SHIFT) - 1
 
 
 def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -36,7 +47,7 @@ def aligned_rows(max_padded: int, block_m: int, tail_m: int) -> int:
 @dataclass(frozen=True)
 class Alignment:
     sorted_slots: torch.Tensor  # [max_padded + blocks * tail_m] int32: flat slot t*k+j, or num_slots
-    block_expert: torch.Tensor  # [max_padded // BLOCK_M] int32: the expert of each row block
+    block_runs: torch.Tensor  # [max_padded // BLOCK_M] int32: each row block's word (expert and run)
     num_padded: torch.Tensor  # [1] int32: padded rows actually used (tail rows not counted)
     max_padded: int
     tail_m: int = 0
@@ -51,7 +62,18 @@ def run_rows(counts: torch.Tensor, block_m: int, tail_m: int) -> torch.Tensor:
     return padded
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> Alignment:
+def block_words(block_expert: torch.Tensor, padded_end: torch.Tensor, padded_rows: torch.Tensor,
+                block_m: int) -> torch.Tensor:
+    """The row blocks' words from their experts and the runs' padded ends and rows."""
+    index = torch.arange(block_expert.numel(), dtype=torch.int32, device=block_expert.device)
+    run_end = (padded_end // block_m).to(torch.int32)[block_expert]
+    rank = index - run_end + (padded_rows // block_m).to(torch.int32)[block_expert]
+    left = (run_end - index).clamp_(1, RUN_WRAP)
+    return block_expert | (rank % RUN_WRAP) << RANK_SHIFT | (left - 1) << LEFT_SHIFT
+
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0,
+                 group_m: int = 1) -> Alignment:
     """The layout for a routing chosen by the caller, in ~20 tensor ops (each a launch, in a CUDA
     graph too: few ops matter at decode sizes). Experts' runs come from one stable sort: where
     each expert's slots start is a binary search of the sorted ids."""
@@ -78,4 +100,7 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m:
     sorted_slots.scatter_(0, destination, order.to(torch.int32))
     block_start = torch.arange(0, max_padded, block_m, dtype=torch.int32, device=device)
     block_expert = torch.searchsorted(padded_end, block_start, right=True, out_int32=True).clamp_(max=num_experts - 1)
-    return Alignment(sorted_slots, block_expert, padded_end[-1:], max_padded, tail_m)
+    # Groups of one need only the expert (its rank and what is left read as a run of one): a
+    # dozen tensor ops fewer at the decode sizes.
+    block_runs = block_words(block_expert, padded_end, padded_counts, block_m) if group_m > 1 else block_expert
+    return Alignment(sorted_slots, block_runs, padded_end[-1:], max_padded, tail_m)

@@ -65,7 +65,7 @@ class KernelConfig:
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     # 2: the row blocks in two halves on two CUDA streams, each half GEMM1 then GEMM2, so that
-    # one half's GEMM2 runs while the other's GEMM1 drains (with tail rows only in groups of 1).
+    # one half's GEMM2 runs while the other's GEMM1 drains.
     streams: int = 1
 
     @property
@@ -227,7 +227,7 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
                         device=hidden_states.device)
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
     num_blocks = aligned.max_padded // cfg.block_m
-    if cfg.streams == 1 or (aligned.tail_m and cfg.group_m != 1):  # the latter: see configs.violation
+    if cfg.streams == 1:
         _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, num_blocks, aligned.num_padded)
         return out
     # Halves of the blocks the routing is expected to fill (a guess only balances the halves: the
@@ -260,12 +260,11 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     if end == first:
         return
     num_tokens, h, i, bm = hidden_states.shape[0], ks.hidden_size, ks.intermediate_size, cfg.block_m
-    sorted_slots, block_expert, inter = (aligned.sorted_slots[first * bm:], aligned.block_expert[first:],
-                                         inter[first * bm:])
-    # The kernels find block b's tail rows at max_padded + b * TAIL_M of the layout they see, and
-    # count max_padded / BLOCK_M blocks only to group them: with tail rows, a range not from
-    # block 0 passes the base its shifted view needs (hence groups of 1, see configs.violation).
-    max_padded = aligned.max_padded + first * (aligned.tail_m - bm) if aligned.tail_m else (end - first) * bm
+    sorted_slots, block_runs, inter = (aligned.sorted_slots[first * bm:], aligned.block_runs[first:],
+                                       inter[first * bm:])
+    # The kernels find block b's tail rows at max_padded + b * TAIL_M of the layout they see: a
+    # range not from block 0 passes the base its shifted view needs.
+    max_padded = aligned.max_padded + first * (aligned.tail_m - bm)
     use_tma = cfg.tma and tma_compatible(w13, w2, inter)
     if use_tma:
         w13_arg = _descriptor(w13, [1, cfg.block_n, cfg.block_k])
@@ -275,7 +274,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         w13_arg, w2_arg, inter_arg = w13, w2, inter
     ks.gate_up[((end - first) * _cdiv(i, cfg.block_n),)](
         hidden_states, w13_arg, inter, out,
-        sorted_slots, block_expert, num_padded,
+        sorted_slots, block_runs, num_padded,
         num_tokens * ks.top_k, max_padded, 0 if first else out.numel(),
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -288,7 +287,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         torch.cuda.current_stream().wait_event(wait_for)
     ks.down_reduce[((end - first) * _cdiv(h, cfg.down_block_n), cfg.split_k)](
         inter_arg, inter, w2_arg, out, weights,
-        sorted_slots, block_expert, num_padded,
+        sorted_slots, block_runs, num_padded,
         num_tokens * ks.top_k, max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
@@ -341,7 +340,7 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
-    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m)
+    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
 
@@ -356,12 +355,12 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
     ids = torch.empty(num_slots, dtype=torch.int32, device=device)
     logits = router_logits.contiguous()
     bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
-    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
+    block_runs = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     if num_tokens <= single_route_max_tokens(ks.num_experts):
         sorted_slots = torch.empty(rows, dtype=torch.int32, device=device)
         ks.route_align[(1,)](
-            logits, bias, weights, ids, sorted_slots, block_expert, num_padded,
+            logits, bias, weights, ids, sorted_slots, block_runs, num_padded,
             num_tokens, logits.stride(0), max_padded,
             BLOCK_M=block_m, TAIL_M=tail_m, **single_route_launch(ks, num_tokens),
         )
@@ -376,9 +375,9 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
         ks.route_count[(_cdiv(num_tokens, count_launch["BLOCK_T"]),)](
             logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **count_launch)
         ks.route_place[(_cdiv(num_slots, place_launch["BLOCK_S"]),)](
-            ids, ranks, counts, sorted_slots, block_expert, num_padded, num_slots, max_padded,
+            ids, ranks, counts, sorted_slots, block_runs, num_padded, num_slots, max_padded,
             BLOCK_M=block_m, TAIL_M=tail_m, **place_launch)
-    return weights, Alignment(sorted_slots, block_expert, num_padded, max_padded, tail_m)
+    return weights, Alignment(sorted_slots, block_runs, num_padded, max_padded, tail_m)
 
 
 @functools.lru_cache(maxsize=None)

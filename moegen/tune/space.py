@@ -101,10 +101,10 @@ def group_candidates(base: KernelConfig, signature: KernelSignature, target) -> 
 
 def stream_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
     """The best config with its row blocks in halves on two streams (one half's GEMM2 beside the
-    other's GEMM1: 1.1-5.3% faster from 16 to 4096 tokens for many small experts, measured;
-    with tail rows that takes groups of 1), and that with GEMM1 one stage deeper (Qwen3 at 512
-    tokens: another 1%, measured, where both GEMMs one stage deeper were slower)."""
-    halves = replace(base, streams=2, group_m=1 if base.tail_m else base.group_m)
+    other's GEMM1: 1.1-5.3% faster from 16 to 4096 tokens for many small experts, measured),
+    and that with GEMM1 one stage deeper (Qwen3 at 512 tokens: another 1%, measured, where both
+    GEMMs one stage deeper were slower)."""
+    halves = replace(base, streams=2)
     deeper = replace(halves, num_stages=halves.num_stages + 1)
     return [c for c in _keep([halves, deeper], signature, target) if c != base]
 
