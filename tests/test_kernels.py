@@ -346,6 +346,8 @@ def test_tail_rows(case, tma, split, package_factory):
     that fit half the tail take the half-width MMA."""
     from dataclasses import replace
 
+    from moegen.runtime.fused import fused_experts, fused_moe
+
     pkg = package_factory(**case.model)
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
     x, logits, w13, w2, bias = _inputs(case, pkg, generator)
