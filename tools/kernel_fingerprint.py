@@ -11,7 +11,8 @@ entries valid (only their template hash moves), one that changes any of them nee
 
 The comparison lists, per kernel (shape aside), how many of its compiled variants are identical:
 an edit that changes only the routing kernels (and the decode kernel's routing) keeps the
-entries' choices valid too (docs/DESIGN.md), one that changes a GEMM needs a re-tune.
+entries' choices valid too (docs/DESIGN.md), one that changes a GEMM needs a re-tune or an A/B
+of the shipped entries on the old and new tree (as the row-block groups had, DESIGN.md).
 """
 from __future__ import annotations
 
