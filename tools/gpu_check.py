@@ -562,11 +562,11 @@ def main(argv=None) -> int:
     colds: list[Cold] = []
     problems: list[str] = []
     rate_before: dict[str, float] = {}  # the GEMM rate again before each spec: how far it drifts
+    from moegen.tune.bench import measure_gemm_tflops
+
     with tempfile.TemporaryDirectory(prefix="moegen-gpu-check-") as build_dir:
         for spec_name in args.spec_list:
             if timer.cuda:
-                from moegen.tune.bench import measure_gemm_tflops
-
                 rate_before[spec_name] = measure_gemm_tflops()
                 torch.cuda.empty_cache()
             try:

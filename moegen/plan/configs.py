@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from moegen.ir import KernelSignature
 from moegen.plan.cost_model import bucket_cost
+from moegen.runtime.align import RUN_WRAP
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, pow2_at_least, tma_rows_aligned
 from moegen.target import GpuTarget
 
@@ -21,9 +22,9 @@ MAX_REGISTERS_PER_THREAD = 255
 CAPPED_OTHER_REGISTERS = 48
 # Tail row counts a block may carry (the swapped MMA's narrow side: a power of two, >= 16).
 TAIL_ROWS = (16, 32, 64)
-# Row blocks per group: divisors of the routing's RUN_WRAP (16), which a block's word keeps its
-# rank in the expert's run modulo.
-ROW_GROUPS = (1, 2, 4, 8, 16)
+# Row blocks per group: the divisors of RUN_WRAP, which a block's word keeps its rank in the
+# expert's run modulo (the GEMMs group from that rank).
+ROW_GROUPS = tuple(1 << i for i in range(RUN_WRAP.bit_length()))
 # Batches this small default to the one-launch decode kernel, with the tile that was best or
 # within 3% of it at one token for all four H200-tuned shapes (docs/PERFORMANCE.md).
 DECODE_DEFAULT_MAX_TOKENS = 4
