@@ -18,6 +18,7 @@ from typing import Optional
 import pytest
 
 from moegen.errors import MoegenError
+from moegen.offload import eviction, predictors
 from moegen.offload import policies as P
 from moegen.offload.simulate import PRESETS, LinkModel, decode_layer_ms, expert_bytes, simulate
 from moegen.offload.simulate_cli import parse_slots
@@ -242,7 +243,7 @@ def _synthetic(seed: int, tokens: int, layers: int, experts: int, top_k: int) ->
     return routes
 
 
-class EagerPredictor(P.Predictor):
+class EagerPredictor(predictors.Predictor):
     """Adversarial: confidently predicts random experts, so that prefetches happen all the time."""
 
     def __init__(self, experts: int, seed: int):
@@ -290,12 +291,12 @@ ENGINE_CASES = (
 
 def _engine(case: EngineCase, routes: list) -> P.OffloadPolicyEngine:
     layers = len(case.slots)
-    policy = (P.belady_factory(case.experts, [[t[l] for t in routes] for l in range(layers)])
+    policy = (eviction.belady_factory(case.experts, [[t[l] for t in routes] for l in range(layers)])
               if case.policy == "belady" else case.policy)
     predictor = {None: None, "eager": EagerPredictor(case.experts, case.seed),
-                 "history": P.HistoryPredictor(layers, case.experts),
-                 "xlayer": P.CrossLayerPredictor(layers, case.experts, refresh=8),
-                 "neighbors": P.NeighborPredictor(layers, case.experts, window=32)}[case.predictor]
+                 "history": predictors.HistoryPredictor(layers, case.experts),
+                 "xlayer": predictors.CrossLayerPredictor(layers, case.experts, refresh=8),
+                 "neighbors": predictors.NeighborPredictor(layers, case.experts, window=32)}[case.predictor]
     rng = random.Random(case.seed)
     pinned = [frozenset(rng.sample(range(case.experts), case.pinned)) for _ in range(layers)]
     return P.OffloadPolicyEngine(layers, case.experts, list(case.slots), policy=policy, predictor=predictor,
@@ -303,7 +304,7 @@ def _engine(case: EngineCase, routes: list) -> P.OffloadPolicyEngine:
                                  prefetch_threshold=0.5, slack_threshold=0.3)
 
 
-def _residents(cache: P.LayerCache) -> dict:
+def _residents(cache: eviction.LayerCache) -> dict:
     table = {e: s for e, s in enumerate(cache.slot_of) if s >= 0}
     assert table == {e: s for s, e in enumerate(cache.expert_at) if e >= 0}  # the two tables agree
     assert len(table) <= cache.slots
@@ -395,10 +396,10 @@ def test_neighbor_predictor_recalls_repeated_tokens_and_what_followed_them(windo
     """Once a word came before, its experts at the next layers are predicted from its first layer
     on, and ``later`` names the experts of the word that followed it."""
     layers, cycle = 4, [0, 1, 2]
-    predictor = P.NeighborPredictor(layers, 16, neighbors=1, window=window)
+    predictor = predictors.NeighborPredictor(layers, 16, neighbors=1, window=window)
     words = cycle * 4
     for t, word in enumerate(words):
-        context = P.RouteContext([None] * layers, None if t == 0 else [None] * layers)
+        context = predictors.RouteContext([None] * layers, None if t == 0 else [None] * layers)
         predictor.begin_token(context)
         for layer in range(layers):
             if t >= len(cycle) and layer >= 1:
@@ -414,9 +415,9 @@ def test_neighbor_predictor_recalls_repeated_tokens_and_what_followed_them(windo
 def test_neighbor_predictor_does_not_follow_into_another_sequence():
     """The token after a sequence's last one belongs to another sequence: it is no follower."""
     layers = 3
-    predictor = P.NeighborPredictor(layers, 16, neighbors=1)
+    predictor = predictors.NeighborPredictor(layers, 16, neighbors=1)
     for t, (word, starts) in enumerate([(2, True), (0, False), (1, True), (0, False)]):
-        context = P.RouteContext([None] * layers, None if starts else [None] * layers)
+        context = predictors.RouteContext([None] * layers, None if starts else [None] * layers)
         predictor.begin_token(context)
         for layer in range(layers):
             context.current[layer] = _word_experts(word, layer)
@@ -431,7 +432,7 @@ def test_neighbor_predictor_does_not_follow_into_another_sequence():
 ], ids=["no-slots", "more-slots-than-experts", "pins-fill-the-pool", "pin-out-of-range"])
 def test_layer_cache_rejects_impossible_layouts(bad):
     with pytest.raises(ValueError):
-        P.LayerCache(8, **bad)
+        eviction.LayerCache(8, **bad)
 
 
 def test_more_experts_than_slots_is_refused():
@@ -572,7 +573,7 @@ def test_simulate_real_mixtral_trace(capsys):
 # The stall model, by hand
 
 
-class OraclePredictor(P.Predictor):
+class OraclePredictor(predictors.Predictor):
     """Knows the route of every token (a single-layer trace): predicts the next one for sure."""
 
     def __init__(self, routes):

@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from moegen.offload import simulate as sim
-from moegen.offload.policies import Predictor
+from moegen.offload.predictors import Predictor
 from moegen.offload.trace import load_trace
 from moegen.spec import load_spec
 

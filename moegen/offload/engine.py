@@ -3,13 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moegen.offload.policies import (
-    CrossLayerPredictor,
-    HistoryPredictor,
-    NeighborPredictor,
-    OffloadPolicyEngine,
-    Predictor,
-)
+from moegen.offload.policies import OffloadPolicyEngine
+from moegen.offload.predictors import CrossLayerPredictor, HistoryPredictor, NeighborPredictor, Predictor
 
 # The predictor of each spec `offload.prefetch` mode that needs nothing but the routing seen so
 # far. The runtime's router predictor needs hidden states, which a trace lacks: in a trace

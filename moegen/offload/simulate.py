@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from moegen.offload.engine import ROUTING_PREDICTORS
-from moegen.offload.policies import POLICIES, OffloadPolicyEngine, belady_factory
+from moegen.offload.eviction import POLICIES, belady_factory
+from moegen.offload.policies import OffloadPolicyEngine
 from moegen.offload.trace import Trace
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 import torch
 
 from moegen.offload.engine import routing_predictor
-from moegen.offload.policies import OffloadPolicyEngine, Predictor
+from moegen.offload.policies import OffloadPolicyEngine
+from moegen.offload.predictors import Predictor
 from moegen.plan.offload import OffloadPlan
 from moegen.runtime import fused
 from moegen.runtime.host_experts import HostExperts
