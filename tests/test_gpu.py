@@ -279,18 +279,22 @@ TAIL_CASES = (
     [Case(spec, t) for spec in SPECS for t in (300, 2000)]
     + [Case(spec, 300, "one_expert") for spec in SPECS]
 )
-# (block_m, tail_m, descriptors, warps, GEMM2 register cap, streams, split): tail rows on both
-# ways of reading the weights, with GEMM2 capped to two programs per SM, in two-stream halves
-# (groups of 1), whose second half finds its tail rows through a shifted base, and split (the
-# half-width tail MMA where the remainder fits).
-TAIL_CONFIGS = ((64, 16, False, 4, 0, 1, False), (128, 32, True, 8, 0, 1, False), (128, 32, True, 8, 128, 1, False),
-                (64, 16, False, 4, 0, 2, False), (128, 16, True, 8, 128, 2, False),
-                (128, 32, True, 8, 128, 1, True), (64, 32, False, 4, 0, 2, True), (128, 64, True, 8, 0, 1, True))
+# (block_m, tail_m, descriptors, warps, GEMM2 register cap, streams, split, tails first): tail
+# rows on both ways of reading the weights, with GEMM2 capped to two programs per SM, in
+# two-stream halves (groups of 1), whose second half finds its tail rows through a shifted base,
+# split (the half-width tail MMA where the remainder fits), and with the runs that carry them
+# first (on their first block).
+TAIL_CONFIGS = ((64, 16, False, 4, 0, 1, False, False), (128, 32, True, 8, 0, 1, False, False),
+                (128, 32, True, 8, 128, 1, False, False), (64, 16, False, 4, 0, 2, False, False),
+                (128, 16, True, 8, 128, 2, False, False), (128, 32, True, 8, 128, 1, True, False),
+                (64, 32, False, 4, 0, 2, True, False), (128, 64, True, 8, 0, 1, True, False),
+                (128, 32, True, 8, 128, 1, True, True), (128, 32, True, 8, 128, 2, True, True),
+                (64, 16, False, 4, 0, 2, False, True))
 
 
 @pytest.mark.parametrize("tail", TAIL_CONFIGS,
-                         ids=lambda t: f"m{t[0]}t{t[1]}{'s' if t[6] else ''}{'_tma' if t[2] else ''}"
-                         f"{f'_r{t[4]}' if t[4] else ''}{'_2s' if t[5] == 2 else ''}")
+                         ids=lambda t: f"m{t[0]}t{t[1]}{'s' if t[6] else ''}{'f' if t[7] else ''}"
+                         f"{'_tma' if t[2] else ''}{f'_r{t[4]}' if t[4] else ''}{'_2s' if t[5] == 2 else ''}")
 @pytest.mark.parametrize("case", TAIL_CASES, ids=str)
 def test_tail_rows_match_float64_reference(case, tail, models):
     """Blocks carrying their expert's last rows as tail rows, whatever the tuned configs chose."""
@@ -298,14 +302,14 @@ def test_tail_rows_match_float64_reference(case, tail, models):
 
     from moegen.runtime.fused import fused_moe
 
-    block_m, tail_m, tma, warps, max_registers, streams, split = tail
+    block_m, tail_m, tma, warps, max_registers, streams, split, first = tail
     model = models[case.spec]
     ks = model.pkg.KERNELS
     config = replace(ks.config_for(case.tokens), block_m=block_m, tail_m=tail_m, tma=tma, decode_block_n=0,
                      block_n=64, block_k=64, num_warps=warps, num_stages=3, down_block_n=64, down_block_k=64,
                      down_num_warps=warps, down_num_stages=3, split_k=1, down_max_registers=max_registers,
                      streams=streams, group_m=1 if streams == 2 else ks.config_for(case.tokens).group_m,
-                     tail_split=split)
+                     tail_split=split, tails_first=first)
     x, logits, bias, _ = case_inputs(case, model)
     poison_allocator()
     out = fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)

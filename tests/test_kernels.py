@@ -137,8 +137,8 @@ def test_two_stream_halves(case, tma, package_factory):
     views, only the first half zeroing the output, a second half that the routing may leave
     empty (all tokens on one expert: fewer blocks than the uniform estimate) or overfull
     (several blocks per expert); with tail rows in groups of 4 beyond 70 tokens (the second
-    half's shifted tail base, groups cut by the halves); routed by the kernels and by the
-    caller."""
+    half's shifted tail base, groups cut by the halves; on the descriptor path the runs with
+    tails first); routed by the kernels and by the caller."""
     from dataclasses import replace
 
     pkg = package_factory(**case.model)
@@ -146,7 +146,7 @@ def test_two_stream_halves(case, tma, package_factory):
     x, logits, w13, w2, bias = _inputs(case, pkg, generator)
     config = replace(pkg.KERNELS.config_for(case.tokens), streams=2, tail_m=0, decode_block_n=0, tma=tma)
     if case.tokens >= 70:
-        config = replace(config, block_m=16, tail_m=8, group_m=4, block_n=16, down_block_n=16)
+        config = replace(config, block_m=16, tail_m=8, group_m=4, block_n=16, down_block_n=16, tails_first=tma)
     _check_both_routings(pkg, x, logits, w13, w2, bias, config)
 
 
@@ -238,22 +238,27 @@ ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "f
 
 
 def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: int, tail_m: int,
-                  run_words: bool = True) -> torch.Tensor:
-    """Every slot exactly once, in a row block (or the tail rows of the last block) of its expert's
-    run; runs padded exactly as run_rows says; the other rows of the blocks in use the sentinel
-    (rows beyond them are never read); each block's word: its expert and (run_words) its rank in
-    the run modulo RUN_WRAP and the blocks left in it, capped. Returns the expert of each slot
-    as the layout says."""
+                  run_words: bool = True, tails_first: bool = False) -> torch.Tensor:
+    """Every slot exactly once, in a row block (or the tail rows of the last block, with
+    tails_first the first) of its expert's run; the runs in expert order (with tails_first those
+    with tail rows first, each kind in expert order), padded exactly as run_rows says; the other
+    rows of the blocks in use the sentinel (rows beyond them are never read); each block's word:
+    its expert and (run_words) its rank in the run modulo RUN_WRAP and the blocks left in it,
+    capped. Returns the expert of each slot as the layout says."""
     num_slots = expert_of_slot.numel()
     used, blocks = int(a.num_padded), int(a.num_padded) // block_m
     slots = a.sorted_slots.long().cpu()
     words = a.block_runs.long().cpu()[:blocks]
     experts = words & EXPERT_MASK
     counts = torch.bincount(expert_of_slot, minlength=num_experts)
-    assert used == int(run_rows(counts, block_m, tail_m).sum())
+    padded = run_rows(counts, block_m, tail_m)
+    assert used == int(padded.sum())
     assert slots.numel() == a.max_padded + a.max_padded // block_m * tail_m
-    run_blocks = run_rows(counts, block_m, tail_m) // block_m
-    run_first = run_blocks.cumsum(0) - run_blocks
+    run_blocks = padded // block_m
+    layout = torch.argsort((padded >= counts).long(), stable=True) if tails_first else torch.arange(num_experts)
+    assert torch.equal(experts, torch.repeat_interleave(layout, run_blocks[layout]))
+    run_first = torch.empty_like(run_blocks)
+    run_first[layout] = run_blocks[layout].cumsum(0) - run_blocks[layout]
     if run_words:
         index = torch.arange(blocks)
         rank, left = index - run_first[experts], run_first[experts] + run_blocks[experts] - index
@@ -267,9 +272,10 @@ def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: in
         tail = slots[a.max_padded + b * tail_m:a.max_padded + (b + 1) * tail_m]
         block, tail = block[block < num_slots], tail[tail < num_slots]
         assert block.numel() > 0
-        if tail.numel():  # only a full last block of its run carries tail rows
+        if tail.numel():  # only a full last (tails_first: first) block of its run carries tail rows
             assert block.numel() == block_m
-            assert b + 1 == blocks or int(experts[b + 1]) != int(experts[b])
+            neighbour = b - 1 if tails_first else b + 1
+            assert neighbour in (-1, blocks) or int(experts[neighbour]) != int(experts[b])
         for s in (block, tail):
             assert bool((ids[s] == -1).all())
             ids[s] = int(experts[b])
@@ -277,12 +283,14 @@ def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: in
     return ids
 
 
-@pytest.mark.parametrize("block_m,tail_m", [(16, 0), (8, 4)], ids=["padded", "tail_rows"])
+@pytest.mark.parametrize("block_m,tail_m,tails_first", [(16, 0, False), (8, 4, False), (8, 4, True)],
+                         ids=["padded", "tail_rows", "tails_first"])
 @pytest.mark.parametrize("path", ["single_program", "multi_program"])
 @pytest.mark.parametrize("case", ROUTING_CASES, ids=lambda c: c.name)
-def test_route_and_align_kernels(case, path, block_m, tail_m, package_factory, monkeypatch):
+def test_route_and_align_kernels(case, path, block_m, tail_m, tails_first, package_factory, monkeypatch):
     """Both routing kernels: the reference's top-k and weights, every slot placed exactly once
-    in a row block (or tail rows) of its own expert, padding rows marked, the padded total exact."""
+    in a row block (or tail rows) of its own expert, the runs in order, padding rows marked, the
+    padded total exact."""
     from moegen.runtime import fused
 
     monkeypatch.setattr(fused, "ROUTE_ALIGN_MAX_TOKENS", 1 << 20 if path == "single_program" else 0)
@@ -290,11 +298,12 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, package_factory, m
     ks = pkg.KERNELS
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 1)
     _, logits, _, _, bias = _inputs(case, pkg, generator)
-    weights, a = fused.route_and_align(ks, logits, bias, block_m, tail_m)
+    weights, a = fused.route_and_align(ks, logits, bias, block_m, tail_m, tails_first)
     ref_weights, ref_ids, _ = ref.route_reference(logits, ks.routing, bias)
     k, t = ks.top_k, case.tokens
     # The kernels' ids, recovered from the layout (slot s sits in a block of its expert).
-    ids = _check_layout(a, ref_ids.reshape(-1).cpu(), ks.num_experts, block_m, tail_m).view(t, k)
+    ids = _check_layout(a, ref_ids.reshape(-1).cpu(), ks.num_experts, block_m, tail_m,
+                        tails_first=tails_first).view(t, k)
     order, ref_order = ids.sort(dim=1), ref_ids.cpu().sort(dim=1)
     assert torch.equal(order.values, ref_order.values)
     flat_weights = weights.view(t, k).cpu().double()
@@ -315,16 +324,17 @@ def test_single_program_routing_threshold(experts, knob, expected, monkeypatch):
 
 @pytest.mark.parametrize("group_m", [1, 4])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("tail_m", [0, 16])
+@pytest.mark.parametrize("tail_m,tails_first", [(0, False), (16, False), (16, True)],
+                         ids=["padded", "tail_rows", "tails_first"])
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16),
                                                           (150, 4, 1, 32), (700, 3, 1, 16)])
-def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m, ids_dtype, group_m):
+def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m, tails_first, ids_dtype, group_m):
     """The caller-routing layout; runs of up to ~15 and of more than RUN_WRAP blocks (700 tokens
     on 3 experts); groups of 1 carry only the expert in the blocks' words."""
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(ids_dtype)
-    _check_layout(align_tokens(ids, experts, block_m, tail_m, group_m), ids.reshape(-1).long(), experts, block_m,
-                  tail_m, run_words=group_m > 1)
+    _check_layout(align_tokens(ids, experts, block_m, tail_m, group_m, tails_first), ids.reshape(-1).long(), experts,
+                  block_m, tail_m, run_words=group_m > 1, tails_first=tails_first)
 
 
 # Each has experts with just over one 32-row block (a remainder of at most 16: tail rows).
@@ -337,13 +347,14 @@ TAIL_CASES = [c for c in CASES if c.name in ("beyond_single_program_routing", "a
 TAILS_OF_BOTH_WIDTHS = ("tail_rows_grouped",)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole_tail", "tail_split"])
+@pytest.mark.parametrize("split,tails_first", [(False, False), (True, False), (False, True)],
+                         ids=["whole_tail", "tail_split", "tails_first"])
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("case", TAIL_CASES, ids=lambda c: c.name)
-def test_tail_rows(case, tma, split, package_factory):
+def test_tail_rows(case, tma, split, tails_first, package_factory):
     """Blocks carrying their expert's last rows as tail rows (swapped MMAs in both GEMMs), routed
     by the kernels and by the caller; split-K on the descriptor path; with tail_split, remainders
-    that fit half the tail take the half-width MMA."""
+    that fit half the tail take the half-width MMA; with tails_first, the runs with tails lead."""
     from dataclasses import replace
 
     from moegen.runtime.fused import fused_experts, fused_moe
@@ -352,7 +363,8 @@ def test_tail_rows(case, tma, split, package_factory):
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
     x, logits, w13, w2, bias = _inputs(case, pkg, generator)
     config = replace(pkg.KERNELS.config_for(case.tokens), block_m=32, tail_m=16, tma=tma, split_k=1 + tma,
-                     block_n=16, block_k=32, down_block_n=32, down_block_k=16, decode_block_n=0, tail_split=split)
+                     block_n=16, block_k=32, down_block_n=32, down_block_k=16, decode_block_n=0, tail_split=split,
+                     tails_first=tails_first)
     expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
     out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
     assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]

@@ -112,7 +112,8 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
     """Every candidate fits the GPU's limits and is distinct; the row blocks include the
     default's; both ways of reading the weights are tried on Hopper, descriptors never before it;
     tail rows are tried from 512 tokens on (these shapes expect a row block per expert there);
-    configs that group row blocks also try the smaller groups."""
+    configs that group row blocks also try the smaller groups; configs with tail rows also try
+    the runs that carry them first."""
     from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
     from moegen.spec import load_spec
@@ -160,6 +161,10 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
                 assert streams in ([halves], [halves, deeper])
                 assert all(violation(c, sig, gpu) is None for c in streams)
                 assert (deeper in streams) == (violation(deeper, sig, gpu) is None)
+                # The runs with tail rows first: only where there are tail rows, once.
+                order = space.order_candidates(config, sig, gpu)
+                assert order == ([replace(config, tails_first=True)] if config.tail_m else [])
+                assert space.order_candidates(replace(config, tails_first=True), sig, gpu) == []
     # Tail rows where experts expect about a block or more, never at decode sizes.
     assert bool(tails_tried) == (tokens >= 512)
 

@@ -97,12 +97,13 @@ def compile_buckets(ks, launchers: bool = False) -> None:
         if previous < single_max:  # some of this bucket's batches are routed by one program
             for logits_dtype in logits_dtypes:
                 compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
+                                                      TAILS_FIRST=cfg.tails_first,
                                                       **single_route_launch(ks, bucket), grid=(1,)))
         if bucket > single_max:  # and some by the multi-program pair
             for logits_dtype in logits_dtypes:
                 compiled.append(ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,)))
-            compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, **place_launch,
-                                                  grid=(1,)))
+            compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
+                                                  TAILS_FIRST=cfg.tails_first, **place_launch, grid=(1,)))
         use_tma = cfg.tma and tma_possible(ks)
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
         compiled.append(ks.gate_up.warmup(

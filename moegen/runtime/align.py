@@ -2,7 +2,9 @@
 each expert's run to a multiple of BLOCK_M, so that every row block of the grouped GEMMs belongs
 to exactly one expert. With tail_m > 0, a run longer than one block whose remainder is at most
 tail_m rows is not padded: the remainder goes to the tail rows of the run's last block b, rows
-max_padded + b * tail_m + j (the layout the routing kernels write too).
+max_padded + b * tail_m + j (the layout the routing kernels write too). With tails_first, the
+runs with tail rows come before the others (each kind in expert order) and carry them on their
+first block instead, so that the GEMMs start the blocks that take longest first.
 
 Every row block gets a word for the grouped GEMMs: its expert, its rank in the expert's run of
 blocks modulo RUN_WRAP and the blocks left in the run from it (itself included, capped at
@@ -73,7 +75,7 @@ def block_words(block_expert: torch.Tensor, padded_end: torch.Tensor, padded_row
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0,
-                 group_m: int = 1) -> Alignment:
+                 group_m: int = 1, tails_first: bool = False) -> Alignment:
     """The layout for a routing chosen by the caller, in ~20 tensor ops (each a launch, in a CUDA
     graph too: few ops matter at decode sizes). Experts' runs come from one stable sort: where
     each expert's slots start is a binary search of the sorted ids."""
@@ -85,22 +87,31 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m:
     sorted_expert, order = torch.sort(flat, stable=True)
     bounds = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device), out_int32=True)
     count_start = bounds[:-1]
-    padded_counts = run_rows(bounds[1:] - count_start, block_m, tail_m)
-    padded_end = padded_counts.cumsum(0, dtype=torch.int32)
+    counts = bounds[1:] - count_start
+    padded_counts = run_rows(counts, block_m, tail_m)
+    if tails_first:  # the experts in layout order: those whose runs have tail rows first
+        layout = torch.argsort((padded_counts >= counts).to(torch.int8), stable=True)
+        layout_end = padded_counts[layout].cumsum(0, dtype=torch.int32)
+        padded_end = torch.empty_like(layout_end).scatter_(0, layout, layout_end)
+    else:
+        padded_end = layout_end = padded_counts.cumsum(0, dtype=torch.int32)
     padded_start = padded_end - padded_counts
     rank = torch.arange(num_slots, device=device) - count_start[sorted_expert]
     destination = padded_start[sorted_expert] + rank
-    if tail_m:  # ranks past the run's padded rows go to the tail rows of its last block
+    if tail_m:  # ranks past the run's padded rows go to the tail rows of its last (first) block
         rows = padded_counts[sorted_expert]
-        tail_row = max_padded + (padded_end[sorted_expert] // block_m - 1) * tail_m + rank - rows
+        tail_block = padded_start // block_m if tails_first else padded_end // block_m - 1
+        tail_row = max_padded + tail_block[sorted_expert] * tail_m + rank - rows
         destination = torch.where(rank < rows, destination, tail_row)
 
     sorted_slots = torch.full((aligned_rows(max_padded, block_m, tail_m),), num_slots, dtype=torch.int32,
                               device=device)
     sorted_slots.scatter_(0, destination, order.to(torch.int32))
     block_start = torch.arange(0, max_padded, block_m, dtype=torch.int32, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True, out_int32=True).clamp_(max=num_experts - 1)
+    block_expert = torch.searchsorted(layout_end, block_start, right=True, out_int32=True).clamp_(max=num_experts - 1)
+    if tails_first:
+        block_expert = layout.to(torch.int32)[block_expert]
     # Groups of one need only the expert (its rank and what is left read as a run of one): a
     # dozen tensor ops fewer at the decode sizes.
     block_runs = block_words(block_expert, padded_end, padded_counts, block_m) if group_m > 1 else block_expert
-    return Alignment(sorted_slots, block_runs, padded_end[-1:], max_padded, tail_m)
+    return Alignment(sorted_slots, block_runs, layout_end[-1:], max_padded, tail_m)

@@ -57,6 +57,9 @@ class KernelConfig:
     # With tail_m 32 or 64: a block whose tail rows fit in the first half multiplies only that
     # half (both GEMMs read it per block at run time), so a short remainder costs its own width.
     tail_split: bool = False
+    # With tail_m: the runs with tail rows come first in the layout and carry them on their first
+    # block, so the longest blocks start first instead of finishing last (the alignment).
+    tails_first: bool = False
     # The one-launch decode kernel, for batches of at most DECODE_MAX_TOKENS routed by fused_moe
     # (0: not used): its slice of I, step along H, width of its output chunks, warps, stages.
     decode_block_n: int = 0
@@ -77,6 +80,7 @@ class KernelConfig:
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
                 f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
                 + (f"_t{self.tail_m}" if self.tail_m else "") + ("s" if self.tail_split else "")
+                + ("f" if self.tails_first else "")
                 + (f"_r{self.down_max_registers}" if self.down_max_registers else "")
                 + ("_2s" if self.streams == 2 else "") + decode)
 
@@ -340,12 +344,13 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
-    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m)
+    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m, cfg.tails_first)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
 
 
-def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int, tail_m: int = 0):
+def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int, tail_m: int = 0,
+                    tails_first: bool = False):
     """(flat top-k weights [T*k] float32, Alignment) for router logits [T, E]."""
     num_tokens, device = router_logits.shape[0], router_logits.device
     num_slots = num_tokens * ks.top_k
@@ -362,7 +367,7 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
         ks.route_align[(1,)](
             logits, bias, weights, ids, sorted_slots, block_runs, num_padded,
             num_tokens, logits.stride(0), max_padded,
-            BLOCK_M=block_m, TAIL_M=tail_m, **single_route_launch(ks, num_tokens),
+            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **single_route_launch(ks, num_tokens),
         )
     else:
         count_launch, place_launch = multi_route_launch(ks)
@@ -376,7 +381,7 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
             logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **count_launch)
         ks.route_place[(_cdiv(num_slots, place_launch["BLOCK_S"]),)](
             ids, ranks, counts, sorted_slots, block_runs, num_padded, num_slots, max_padded,
-            BLOCK_M=block_m, TAIL_M=tail_m, **place_launch)
+            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **place_launch)
     return weights, Alignment(sorted_slots, block_runs, num_padded, max_padded, tail_m)
 
 
@@ -446,5 +451,5 @@ def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correctio
     cfg = config or ks.config_for(num_tokens)
     if uses_decode(cfg, num_tokens):
         return _decode(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2)
-    weights, aligned = route_and_align(ks, router_logits, correction_bias, cfg.block_m, cfg.tail_m)
+    weights, aligned = route_and_align(ks, router_logits, correction_bias, cfg.block_m, cfg.tail_m, cfg.tails_first)
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)

@@ -109,6 +109,15 @@ def stream_candidates(base: KernelConfig, signature: KernelSignature, target) ->
     return [c for c in _keep([halves, deeper], signature, target) if c != base]
 
 
+def order_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
+    """A config with tail rows, with the runs that carry them first: their blocks take longest,
+    and started first they do not finish last (Mixtral at 512 tokens 2.5% faster, Qwen3 at 4096
+    ~3%, OLMoE at 512 0.6% slower, measured)."""
+    if not base.tail_m or base.tails_first:
+        return []
+    return _keep([replace(base, tails_first=True)], signature, target)
+
+
 def decode_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
     """The one-launch decode kernel's variants on top of a three-kernel config (which fused_experts
     and the offload runtime still use), for buckets small enough to take it."""
