@@ -357,25 +357,19 @@ def test_tail_rows(case, tma, split, tails_first, package_factory):
     that fit half the tail take the half-width MMA; with tails_first, the runs with tails lead."""
     from dataclasses import replace
 
-    from moegen.runtime.fused import fused_experts, fused_moe
-
     pkg = package_factory(**case.model)
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
     x, logits, w13, w2, bias = _inputs(case, pkg, generator)
     config = replace(pkg.KERNELS.config_for(case.tokens), block_m=32, tail_m=16, tma=tma, split_k=1 + tma,
                      block_n=16, block_k=32, down_block_n=32, down_block_k=16, decode_block_n=0, tail_split=split,
                      tails_first=tails_first)
-    expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
-    out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)
-    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
-    weights, ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
+    _, ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
     counts = torch.bincount(ids.reshape(-1), minlength=pkg.SPEC.model.num_experts)
     remainder = torch.where(counts > 32, counts % 32, 0)
     assert bool(((remainder > 0) & (remainder <= 16)).any())  # some expert takes tail rows
     if case.name in TAILS_OF_BOTH_WIDTHS:  # split: some fit the half tail, some take it whole
         assert bool(((remainder > 0) & (remainder <= 8)).any()) and bool(((remainder > 8) & (remainder <= 16)).any())
-    out = fused_experts(pkg.KERNELS, x, weights.to(x.dtype), ids, w13, w2, config=config)
-    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+    _check_both_routings(pkg, x, logits, w13, w2, bias, config)
 
 
 def test_layer_loads_mixtral_and_deepseek_checkpoints(package_factory):
