@@ -88,6 +88,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
 
     route, count, place, gate_up, down, decode = _mock_launch_args(ks)
     pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
+    as_dependent = dict(USE_PDL=pdl, launch_pdl=pdl)  # the routing and GEMM kernels, as the runtime launches them
     count_launch, place_launch = multi_route_launch(ks)
     # Router logits come in the model's dtype (MoELayer) or float32: compile both.
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
@@ -97,23 +98,25 @@ def compile_buckets(ks, launchers: bool = False) -> None:
         if previous < single_max:  # some of this bucket's batches are routed by one program
             for logits_dtype in logits_dtypes:
                 compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                                                      TAILS_FIRST=cfg.tails_first,
+                                                      TAILS_FIRST=cfg.tails_first, **as_dependent,
                                                       **single_route_launch(ks, bucket), grid=(1,)))
         if bucket > single_max:  # and some by the multi-program pair
             for logits_dtype in logits_dtypes:
-                compiled.append(ks.route_count.warmup(logits_dtype, *count, **count_launch, grid=(1,)))
+                compiled.append(ks.route_count.warmup(logits_dtype, *count, **count_launch, **as_dependent,
+                                                      grid=(1,)))
             compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                                                  TAILS_FIRST=cfg.tails_first, **place_launch, grid=(1,)))
+                                                  TAILS_FIRST=cfg.tails_first, **place_launch, **as_dependent,
+                                                  grid=(1,)))
         use_tma = cfg.tma and tma_possible(ks)
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
         compiled.append(ks.gate_up.warmup(
             ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma,
+            GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, **as_dependent,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,)))
         compiled.append(ks.down_reduce.warmup(
             inter, ks.dtype, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m,
-            TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, **down_launch(cfg), grid=(1, 1)))
+            TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, **as_dependent, **down_launch(cfg), grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
             for logits_dtype in logits_dtypes:
