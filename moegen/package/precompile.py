@@ -82,13 +82,13 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     ``launchers`` (on the GPU) their launchers as well."""
     import torch
 
-    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, down_launch,
-                                      multi_route_launch, pdl_supported, single_route_launch,
+    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, dependent_launch,
+                                      down_launch, multi_route_launch, pdl_supported, single_route_launch,
                                       single_route_max_tokens, tma_possible)
 
     route, count, place, gate_up, down, decode = _mock_launch_args(ks)
     pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
-    as_dependent = dict(USE_PDL=pdl, launch_pdl=pdl)  # the routing and GEMM kernels, as the runtime launches them
+    as_dependent = dependent_launch(pdl)  # the routing and GEMM kernels and the decode finish
     count_launch, place_launch = multi_route_launch(ks)
     # Router logits come in the model's dtype (MoELayer) or float32: compile both.
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
@@ -126,7 +126,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                     BLOCK_H=cfg.decode_block_h, USE_TMA=use_tma, USE_PDL=pdl, num_warps=cfg.decode_num_warps,
                     num_stages=cfg.decode_num_stages, grid=(1, 1)))
             compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
-                                                    USE_PDL=pdl, num_warps=4, launch_pdl=pdl, grid=(1,)))
+                                                    num_warps=4, **as_dependent, grid=(1,)))
         previous = bucket
     if launchers:
         for kernel in compiled:

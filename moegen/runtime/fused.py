@@ -270,7 +270,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     # range not from block 0 passes the base its shifted view needs.
     max_padded = aligned.max_padded + first * (aligned.tail_m - bm)
     use_tma = cfg.tma and tma_compatible(w13, w2, inter)
-    pdl = pdl_supported(hidden_states.device)
+    dependent = dependent_launch(pdl_supported(hidden_states.device))
     if use_tma:
         w13_arg = _descriptor(w13, [1, cfg.block_n, cfg.block_k])
         w2_arg = _descriptor(w2, [1, cfg.down_block_n, cfg.down_block_k])
@@ -283,8 +283,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         num_tokens * ks.top_k, max_padded, 0 if first else out.numel(),
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, USE_PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl,
+        TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **dependent,
     )
     if zeroed is not None:
         zeroed.record()
@@ -296,8 +296,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         num_tokens * ks.top_k, max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, USE_PDL=pdl,
-        launch_pdl=pdl, **down_launch(cfg),
+        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma,
+        **dependent, **down_launch(cfg),
     )
 
 
@@ -363,13 +363,13 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
     bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
     block_runs = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    pdl = pdl_supported(device)
+    dependent = dependent_launch(pdl_supported(device))
     if num_tokens <= single_route_max_tokens(ks.num_experts):
         sorted_slots = torch.empty(rows, dtype=torch.int32, device=device)
         ks.route_align[(1,)](
             logits, bias, weights, ids, sorted_slots, block_runs, num_padded,
             num_tokens, logits.stride(0), max_padded,
-            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, USE_PDL=pdl, launch_pdl=pdl,
+            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent,
             **single_route_launch(ks, num_tokens),
         )
     else:
@@ -381,11 +381,11 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
         counts, sorted_slots = counts_and_slots[:ks.num_experts], counts_and_slots[rows_at:]
         ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
         ks.route_count[(_cdiv(num_tokens, count_launch["BLOCK_T"]),)](
-            logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), USE_PDL=pdl, launch_pdl=pdl,
+            logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **dependent,
             **count_launch)
         ks.route_place[(_cdiv(num_slots, place_launch["BLOCK_S"]),)](
             ids, ranks, counts, sorted_slots, block_runs, num_padded, num_slots, max_padded,
-            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, USE_PDL=pdl, launch_pdl=pdl, **place_launch)
+            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent, **place_launch)
     return weights, Alignment(sorted_slots, block_runs, num_padded, max_padded, tail_m)
 
 
@@ -394,6 +394,13 @@ def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper and later (not in the interpreter). Asked on every
     decode call: cached per device, off the launch path."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def dependent_launch(pdl: bool) -> dict:
+    """Launch options of a kernel run as a programmatic dependent of the kernel before it: compiled
+    to wait for that kernel first (USE_PDL) and launched before it ends (launch_pdl). The build's
+    precompile passes the same, so that the first launch finds the shipped kernel."""
+    return dict(USE_PDL=pdl, launch_pdl=pdl)
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}
@@ -436,7 +443,7 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
         num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     ks.decode_finish[(_cdiv(out.numel(), DECODE_FINISH_BLOCK),)](
-        work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))
     return out
 
 
