@@ -240,16 +240,20 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     # second half's GEMM2 waits for the first half's GEMM1, which zeroes the output.
     half = expected_blocks(weights.numel(), ks.num_experts, cfg.block_m) // 2
     split = min(num_blocks, max(4, half // 4 * 4))
-    second_padded = aligned.num_padded - split * cfg.block_m
     if not hidden_states.is_cuda:  # the interpreter: one half after the other
         _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded)
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, second_padded)
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks,
+               aligned.num_padded - split * cfg.block_m)
         return out
     device = hidden_states.device
     main, side, zeroed = torch.cuda.current_stream(device), side_stream(device), torch.cuda.Event()
     side.wait_stream(main)
     _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded, zeroed)
     with torch.cuda.stream(side):
+        # The second half's row count is computed on its own stream: on the caller's it would
+        # stand between the routing and the first half's GEMM1, which then could not launch as
+        # the routing's programmatic dependent.
+        second_padded = aligned.num_padded - split * cfg.block_m
         _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, second_padded,
                wait_for=zeroed)
     main.wait_stream(side)
