@@ -70,6 +70,48 @@ def test_tune_warm_rebuild_and_forced_retune(interpreter_spec, tmp_path, capsys,
         assert json.loads(report.saved_to.read_text())["buckets"]["16"]["config"] == incumbent.__dict__
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-interpreter tuning test")
+def test_stale_file_stops_the_tuner_early_and_seeds_a_tune_elsewhere(interpreter_spec, tmp_path, capsys,
+                                                                      monkeypatch):
+    """After a template (or Triton) change: the stale file is never overwritten, the tuner says so
+    before it benchmarks anything, and tuning into another directory times the stale entry."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config
+    from moegen.render import KERNEL_TEMPLATES
+    from moegen.spec import load_spec
+    from moegen.target import current_gpu
+    from moegen.tune import runner
+
+    gpu, ir = current_gpu(), lower(load_spec(interpreter_spec), interpreter_spec)
+    previous = replace(default_config(ir.signature, gpu, 1), group_m=3)  # outside the search space
+    stale_meta = replace(tuning_db.current_metadata(gpu.name, ir.signature, KERNEL_TEMPLATES), template_hash="0" * 64)
+    stale_dir = tmp_path / "stale"
+    stale_file = tuning_db.save(stale_dir, stale_meta, {1: {"config": previous, "time_us": 5.0}}, {})
+    before = stale_file.read_bytes()
+
+    measure = runner._Search.measure
+    timed = []
+
+    def previous_fastest(search, config):
+        timed.append(config)
+        time_us = measure(search, config)
+        return 1e-3 if config == previous and time_us < float("inf") else time_us
+
+    monkeypatch.setattr(runner._Search, "measure", previous_fastest)
+    with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(stale_dir)):
+        assert cli.main(["tune", str(interpreter_spec), "--buckets", "1"]) == 2
+    message = capsys.readouterr().err
+    assert str(stale_file) in message and "template_hash" in message and "MOEGEN_TUNED_CONFIG_DIR" in message
+    assert timed == [] and stale_file.read_bytes() == before
+
+    fresh_dir = tmp_path / "fresh"
+    monkeypatch.setattr(tuning_db, "shipped_dir", lambda: stale_dir)
+    with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(fresh_dir)):
+        report = tune(interpreter_spec, buckets=[1], out=io.StringIO(), err=io.StringIO())
+    assert previous in timed and report.results[0].config == previous
+    assert report.saved_to.parent == fresh_dir and stale_file.read_bytes() == before
+
+
 def test_strict_mode_names_missing_key_and_command(interpreter_spec, tmp_path, capsys):
     with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "empty"), MOEGEN_REQUIRE_TUNED="1"):
         assert cli.main(["build", str(interpreter_spec), "-o", str(tmp_path / "out")]) == 1

@@ -51,6 +51,8 @@ class TuningInputError(MoegenError):
 class IncompatibleDbError(MoegenError):
     """A save would overwrite a file that holds results for a different device/version/templates."""
 
+    exit_code = 2
+
 
 class MissingTunedConfigError(MoegenError):
     """Strict mode (MOEGEN_REQUIRE_TUNED=1): the tuning database has no entry for a bucket."""
@@ -127,13 +129,21 @@ def _show(field: str, value) -> str:
     return str(value)[:12] if field == "template_hash" else str(value)
 
 
-def differences(have: DbMetadata, want: DbMetadata) -> list[str]:
-    """Checked fields that definitely differ (both present and non-null), e.g. 'triton 3.5.0 != 3.6.0'."""
-    pairs = [(field, getattr(have, field), getattr(want, field)) for field in ("device", "triton", "template_hash")]
+# Fields that a new moegen or Triton changes while the kernels keep their shape: results for other
+# values are stale, not about another problem.
+VERSION_FIELDS = ("triton", "template_hash")
+
+
+def _differing(have: DbMetadata, want: DbMetadata) -> list[tuple[str, object, object]]:
+    pairs = [(field, getattr(have, field), getattr(want, field)) for field in ("device", *VERSION_FIELDS)]
     pairs += [(f"signature.{name}", (have.signature or {}).get(name), value)
               for name, value in (want.signature or {}).items()]
-    return [f"{field} {_show(field, a)} != {_show(field, b)}"
-            for field, a, b in pairs if a is not None and b is not None and a != b]
+    return [(field, a, b) for field, a, b in pairs if a is not None and b is not None and a != b]
+
+
+def differences(have: DbMetadata, want: DbMetadata) -> list[str]:
+    """Checked fields that definitely differ (both present and non-null), e.g. 'triton 3.5.0 != 3.6.0'."""
+    return [f"{field} {_show(field, a)} != {_show(field, b)}" for field, a, b in _differing(have, want)]
 
 
 def _heal(disk: DbMetadata, new: DbMetadata) -> DbMetadata:
@@ -249,7 +259,8 @@ class TuningDb:
     def __init__(self, dirs: Optional[Sequence[Path]] = None):
         self.dirs = [Path(d) for d in (default_search_path() if dirs is None else dirs)]
 
-    def _compatible(self, device_name, signature, template_names) -> Iterable[tuple[Path, dict]]:
+    def _files(self, device_name, signature, template_names) -> Iterable[tuple[Path, dict, list]]:
+        """(path, content, differing fields) of each readable file for (device, signature), in order."""
         want = current_metadata(device_name, signature, template_names)
         for directory in self.dirs:
             path = directory / db_file_name(device_name, signature)
@@ -260,8 +271,11 @@ class TuningDb:
             except TuningInputError as error:
                 _warn_once(path, error)
                 continue
-            if not differences(DbMetadata.from_dict(content["metadata"]), want):
-                yield path, content
+            yield path, content, _differing(DbMetadata.from_dict(content["metadata"]), want)
+
+    def _compatible(self, device_name, signature, template_names) -> Iterable[tuple[Path, dict]]:
+        return ((path, content) for path, content, differ in self._files(device_name, signature, template_names)
+                if not differ)
 
     def lookup(self, device_name: str, signature: KernelSignature, tokens: int,
                template_names: Iterable[str]) -> Optional[TunedEntry]:
@@ -270,6 +284,16 @@ class TuningDb:
             if bucket is not None:
                 return TunedEntry(KernelConfig(**bucket["config"]), bucket["time_us"],
                                   bucket.get("default_time_us"), bucket.get("floor_pct"), path)
+        return None
+
+    def previous(self, device_name: str, signature: KernelSignature, tokens: int,
+                 template_names: Iterable[str]) -> Optional[KernelConfig]:
+        """The bucket's config in a file that only other templates or another Triton make stale:
+        never an answer, but after an upgrade the tuner's best guess, timed before it is kept."""
+        for _, content, differ in self._files(device_name, signature, list(template_names)):
+            bucket = content["buckets"].get(str(tokens))
+            if differ and bucket is not None and all(field in VERSION_FIELDS for field, _, _ in differ):
+                return KernelConfig(**bucket["config"])
         return None
 
     def failures(self, device_name: str, signature: KernelSignature, template_names: Iterable[str]) -> dict:
@@ -336,6 +360,27 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def _refuse_other_inputs(path: Path, disk: DbMetadata, new: DbMetadata) -> None:
+    differ = differences(disk, new)
+    if differ:
+        raise IncompatibleDbError(
+            f"{path} holds results for other inputs ({', '.join(differ)}; on disk != new); "
+            "not overwritten. Save elsewhere with MOEGEN_TUNED_CONFIG_DIR=<other dir>, "
+            "or move the file aside to re-tune")
+
+
+def check_writable(directory: Path, metadata: DbMetadata) -> None:
+    """Raise IncompatibleDbError now where save() would later refuse: a tuner checks this before it
+    benchmarks anything. A corrupt file is no obstacle (save moves it aside)."""
+    path = Path(directory) / db_file_name(metadata.device, KernelSignature(**metadata.signature))
+    try:
+        disk = load_file(path) if path.exists() else None
+    except TuningInputError:
+        return
+    if disk is not None:
+        _refuse_other_inputs(path, DbMetadata.from_dict(disk["metadata"]), metadata)
+
+
 def merge_file(path: Path, content: dict) -> bool:
     """Merge `content` (a valid tuning file) into `path`; returns True if the file changed.
 
@@ -361,12 +406,7 @@ def merge_file(path: Path, content: dict) -> bool:
                 old_text = None
             else:
                 disk_meta = DbMetadata.from_dict(disk["metadata"])
-                differ = differences(disk_meta, new_meta)
-                if differ:
-                    raise IncompatibleDbError(
-                        f"{path} holds results for other inputs ({', '.join(differ)}; on disk != new); "
-                        "not overwritten. Save elsewhere with MOEGEN_TUNED_CONFIG_DIR=<other dir>, "
-                        "or delete the file to re-tune")
+                _refuse_other_inputs(path, disk_meta, new_meta)
                 merged = {"metadata": asdict(_heal(disk_meta, new_meta)),
                           "buckets": {**disk["buckets"], **content["buckets"]},
                           "failures": {**disk["failures"], **content["failures"]}}

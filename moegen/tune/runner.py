@@ -181,7 +181,7 @@ class _Search:
                 incumbent: Optional[KernelConfig] = None) -> tuple[KernelConfig, float, float]:
         """(best, its time, the default's time), all as means over samples: the fastest
         CONFIRM_FINALISTS of the search, the default and the incumbent (the database's entry
-        a forced re-tune would replace), timed in turns on every sample as gpu_check times.
+        a forced re-tune would replace, or the stale one an upgrade left), timed in turns on every sample as gpu_check times.
         The incumbent stays unless the best is INCUMBENT_MARGIN faster."""
         finalists = sorted(self.times, key=self.times.get)[:CONFIRM_FINALISTS]
         finalists += [c for c in dict.fromkeys((default, incumbent)) if c in self.times and c not in finalists]
@@ -249,6 +249,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
         + (f" (HBM {ceilings[0]:.0f} GB/s, bf16 {ceilings[1]:.0f} TFLOP/s measured)" if on_gpu else ""))
     failures = dict(db.failures(gpu.name, ir.signature, KERNEL_TEMPLATES))
     metadata = tuning_db.current_metadata(gpu.name, ir.signature, KERNEL_TEMPLATES)
+    tuning_db.check_writable(target_dir, metadata)  # before any benchmarking, not after the first bucket
     results, benchmarked, saved = [], 0, None
     with tempfile.TemporaryDirectory(prefix="moegen-tune-") as workdir:
         kernels = _load_kernels(ir, Path(workdir))
@@ -297,8 +298,10 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 tried += len(decode)
                 progress("decode kernel")
             # A forced re-tune keeps the entry it would replace where that is faster: one routing
-            # sample and the clocks of the moment can crown a config slower than the entry.
-            incumbent = entries[tokens].config if entries[tokens] else None
+            # sample and the clocks of the moment can crown a config slower than the entry. After an
+            # upgrade the entry tuned for the previous templates or Triton stands in for it.
+            incumbent = (entries[tokens].config if entries[tokens]
+                         else db.previous(gpu.name, ir.signature, tokens, KERNEL_TEMPLATES))
             if incumbent is not None and incumbent not in search.times:
                 best, best_time = search.improve(best, best_time, [incumbent])
                 tried += 1
