@@ -287,7 +287,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     ks.gate_up[((end - first) * _cdiv(i, cfg.block_n),)](
         hidden_states, w13_arg, inter, out,
         sorted_slots, block_runs, num_padded,
-        num_tokens * ks.top_k, max_padded, 0 if first else out.numel(),
+        num_tokens * ks.top_k, max_padded, 0 if first else num_tokens,
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, num_warps=cfg.num_warps,
