@@ -360,6 +360,10 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def _file_for(directory: Path, metadata: DbMetadata) -> Path:
+    return Path(directory) / db_file_name(metadata.device, KernelSignature(**metadata.signature))
+
+
 def _refuse_other_inputs(path: Path, disk: DbMetadata, new: DbMetadata) -> None:
     differ = differences(disk, new)
     if differ:
@@ -372,7 +376,7 @@ def _refuse_other_inputs(path: Path, disk: DbMetadata, new: DbMetadata) -> None:
 def check_writable(directory: Path, metadata: DbMetadata) -> None:
     """Raise IncompatibleDbError now where save() would later refuse: a tuner checks this before it
     benchmarks anything. A corrupt file is no obstacle (save moves it aside)."""
-    path = Path(directory) / db_file_name(metadata.device, KernelSignature(**metadata.signature))
+    path = _file_for(directory, metadata)
     try:
         disk = load_file(path) if path.exists() else None
     except TuningInputError:
@@ -423,7 +427,7 @@ def save(directory: Path, metadata: DbMetadata, buckets: dict, failures: dict) -
     buckets: {tokens: {"config": KernelConfig, "time_us", "default_time_us", "floor_pct", "candidates"}};
     failures: {KernelConfig or its key: short error text}. Raises IncompatibleDbError rather than overwrite a file
     whose metadata definitely differs."""
-    path = Path(directory) / db_file_name(metadata.device, KernelSignature(**metadata.signature))
+    path = _file_for(directory, metadata)
     content = {"metadata": asdict(metadata),
                "buckets": {str(int(tokens)): _bucket_record(value) for tokens, value in buckets.items()},
                "failures": {(k.key if isinstance(k, KernelConfig) else str(k)): str(v)

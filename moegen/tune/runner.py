@@ -181,8 +181,8 @@ class _Search:
                 incumbent: Optional[KernelConfig] = None) -> tuple[KernelConfig, float, float]:
         """(best, its time, the default's time), all as means over samples: the fastest
         CONFIRM_FINALISTS of the search, the default and the incumbent (the database's entry
-        a forced re-tune would replace, or the stale one an upgrade left), timed in turns on every sample as gpu_check times.
-        The incumbent stays unless the best is INCUMBENT_MARGIN faster."""
+        a forced re-tune would replace, or the stale one an upgrade left), timed in turns on every
+        sample as gpu_check times. The incumbent stays unless the best is INCUMBENT_MARGIN faster."""
         finalists = sorted(self.times, key=self.times.get)[:CONFIRM_FINALISTS]
         finalists += [c for c in dict.fromkeys((default, incumbent)) if c in self.times and c not in finalists]
         means = self.judged_means(finalists, samples)
