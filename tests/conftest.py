@@ -22,6 +22,18 @@ SHARED_DIR = REPO_ROOT.parent / "shared"
 
 
 @pytest.fixture(scope="session")
+def sm90_compile_env():
+    """The environment for a subprocess that compiles for sm_90 on the CPU against the stand-in
+    driver of tests/first_launch_replay.py (no interpreter); skips without a runnable ptxas."""
+    import subprocess
+
+    ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file() or subprocess.run([str(ptxas), "--version"], capture_output=True).returncode != 0:
+        pytest.skip("no runnable ptxas in this Triton install")
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@pytest.fixture(scope="session")
 def package_factory(tmp_path_factory):
     """build(**model_fields) -> imported generated package, cached per distinct model."""
     from moegen import load

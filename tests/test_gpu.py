@@ -467,3 +467,34 @@ def test_cuda_graph_decode_step(spec, tokens, models):
         check_close(replayed, expected, f"{spec} T={tokens} graph replay {round_}")
         check_close(eager, expected, f"{spec} T={tokens} eager {round_}")
     del graph
+
+
+# ---------------------------------------------------------------------------------------------
+# The TMA streaming read behind the bandwidth ceiling and the read-only bound
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 255, 256, 257, 256 * 132 * 3 + 77, 1 << 20], ids=str)
+def test_tma_read_visits_every_box(rows):
+    """Each box's first rows reach the per-program sums, in a graph replay too: every box is read,
+    where it lies, the partial last one zero-filled past the end; a ceiling measured with a reader
+    that skipped boxes would be too high."""
+    from moegen.tune import tma_read
+
+    if not tma_read.available(torch.device(DEVICE)):
+        pytest.skip("the TMA reader needs sm_90 or newer")
+    src = torch.randn(rows, tma_read.BOX_COLUMNS, generator=torch.Generator(DEVICE).manual_seed(rows),
+                      device=DEVICE, dtype=DTYPE)
+    padded = torch.zeros(-(-rows // tma_read.BOX_ROWS) * tma_read.BOX_ROWS, tma_read.BOX_COLUMNS,
+                         device=DEVICE, dtype=torch.float64)
+    padded[:rows] = src.double()
+    boxes = padded.view(-1, tma_read.BOX_ROWS, tma_read.BOX_COLUMNS)
+    expected = boxes[:, :tma_read.SUMMED_ROWS].sum().item()
+    scale = boxes[:, :tma_read.SUMMED_ROWS].abs().sum().item()
+    read = tma_read.TmaRead(src.view(-1))
+    graph, _ = capture_graph(read, warmups=1)
+    for run in (read, graph.replay):
+        read.sums.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        assert abs(read.first_rows_sum() - expected) <= 1e-5 * scale, run

@@ -8,7 +8,8 @@
    (a failure does not stop the script, but it exits non-zero at the end).
 2. Measures the two ceilings in this process: HBM bandwidth (moegen.tune.bench.measure_ceilings,
    as the tuner: the better of a 4 GiB device-to-device copy, counting bytes read + written, and
-   a streaming-read Triton kernel) and the bf16 GEMM rate (8192^3 matmul, random data), timed as
+   the fastest streaming read: a load-instruction Triton kernel and, on Hopper, a TMA reader) and
+   the bf16 GEMM rate (8192^3 matmul, random data), timed as
    the kernels of step 3 are.
 3. For each shipped spec and token count, times moegen's fused_moe (routing included), a naive
    per-expert PyTorch loop and torch._grouped_mm, each first checked against the float64
@@ -21,8 +22,8 @@
    eagerly).
    Floor = max(bytes of the distinct experts this routing touches + activations in and out) /
    HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2. For memory-bound cells also
-   the read-only bound: one launch of the streaming-read kernel (its fastest launch settings)
-   over exactly the floor's bytes, timed as moegen is: a kernel that does nothing but read them.
+   the read-only bound: one launch of the fastest streaming read (the same two readers) over
+   exactly the floor's bytes, timed as moegen is: a kernel that does nothing but read them.
 4. Records the first fused_moe call after import per spec and bucket (from an empty Triton
    cache unless --warm-triton-cache: a build on the target GPU ships compiled kernels) and the
    kernels Triton compiled during it: any, for a package that ships them, is a failure.
@@ -435,23 +436,22 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
 
 
 def read_only_us(torch, device, timer: Timer, nbytes: int) -> float:
-    """One launch of the streaming-read kernel over nbytes, as a CUDA-graph replay with L2 evicted
-    first: the launch, ramp-up and drain that any single kernel reading those bytes pays."""
+    """The fastest streaming read (moegen.tune.bench.streaming_reads) of nbytes in one launch, as
+    a CUDA-graph replay with L2 evicted first: the launch, ramp-up and drain that any single
+    kernel reading those bytes pays."""
     from moegen.runtime.step_graphs import capture_graph
-    from moegen.tune.bench import streaming_read_kernel
+    from moegen.tune.bench import streaming_reads
 
-    kernel = streaming_read_kernel()
-    numel = nbytes // 2
-    src = torch.empty(numel, dtype=torch.bfloat16, device=device)  # contents do not matter
-    # 16 programs per SM of 4096-element loads: the fastest of 1-16 per SM, 2048-8192 elements
-    # and 4 or 8 warps at 75 MB, 100 MB and 4 GiB on the H200.
-    programs = torch.cuda.get_device_properties(device).multi_processor_count * 16
-    partial = torch.empty(programs, dtype=torch.float32, device=device)
-    graph, _ = capture_graph(lambda: kernel[(programs,)](src, partial, numel, BLOCK=4096, num_warps=8))
-    us = timer.median_us(graph.replay)
-    del graph, src
+    # Contents do not matter; whole 128-byte rows, which the TMA reader needs (at most 126 bytes more).
+    src = torch.empty(-(-nbytes // 128) * 64, dtype=torch.bfloat16, device=device)
+    best = math.inf
+    for read in streaming_reads(src):
+        graph, _ = capture_graph(read)
+        best = min(best, timer.median_us(graph.replay))
+        del graph
+    del src
     torch.cuda.empty_cache()
-    return us
+    return best
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +552,7 @@ def main(argv=None) -> int:
     say("## Ceilings (measured)")
     say()
     say(f"- memory bandwidth: {ceil.hbm_gbps:.0f} GB/s (device-to-device copy {ceil.copy_gbps:.0f} GB/s "
-        f"counting read + write; streaming-read kernel {ceil.read_gbps:.0f} GB/s)")
+        f"counting read + write; fastest streaming read {ceil.read_gbps:.0f} GB/s)")
     say(f"- {ceil.gemm_dtype} GEMM: {ceil.gemm_tflops:.1f} TFLOP/s ({256 if args.cpu_smoke else 8192}^3 "
         f"torch.matmul, random data, timed as the kernels below)")
     say()
@@ -592,8 +592,9 @@ def main(argv=None) -> int:
            "synchronizes with the host); L2 evicted before each call"))
     say("- %floor: floor / time (100% = at the roofline floor); floor = max((distinct experts touched "
         "x 3*H*I + 2*T*H) bytes / bandwidth, 6*T*k*H*I FLOPs / GEMM rate), with the measured ceilings")
-    say("- read-only: memory-bound cells only, one launch of the streaming-read kernel over exactly the "
-        "floor's bytes, timed as moegen: what a kernel that does nothing but read them takes")
+    say("- read-only: memory-bound cells only, one launch of the fastest streaming read (a load-instruction "
+        "kernel; on Hopper also a TMA reader) over exactly the floor's bytes, timed as moegen: what a kernel "
+        "that does nothing but read them takes")
     say(f"- err: relative Frobenius error vs the float64 reference, moegen / naive / grouped_mm; "
         f"checked for T <= {REFERENCE_MAX_TOKENS} only ('-' above: the reference is too slow there); "
         "**WRONG**: above the dtype's tolerance or not finite")
