@@ -467,6 +467,11 @@ def fmt_err(err: Optional[float]) -> str:
     return "-" if err is None else ("inf" if math.isinf(err) else f"{err:.1e}")
 
 
+def fmt_pct(floor_us: float, us: float) -> str:
+    # One decimal: a cell at 84.5% must not read as a met 85% line.
+    return f"{100 * floor_us / us:.1f}%"
+
+
 def cells(res: Optional[Measured], floor_us: float) -> tuple[str, str]:
     if res is None or res.us is None:
         return "n/a", ""
@@ -475,7 +480,7 @@ def cells(res: Optional[Measured], floor_us: float) -> tuple[str, str]:
         time_cell += " (eager)"
     if res.wrong:
         time_cell += " **WRONG**"
-    return time_cell, f"{100 * floor_us / res.us:.0f}%"
+    return time_cell, fmt_pct(floor_us, res.us)
 
 
 def results_table(rows: list[Row]) -> list[str]:
@@ -487,7 +492,7 @@ def results_table(rows: list[Row]) -> list[str]:
         for name in IMPLS:
             parts.extend(cells(row.results.get(name), row.floor_us))
         errs = " / ".join(fmt_err(row.results[n].err) if n in row.results else "-" for n in IMPLS)
-        read = ((fmt_us(row.read_us), f"{100 * row.floor_us / row.read_us:.0f}%") if row.read_us else ("-", "-"))
+        read = (fmt_us(row.read_us), fmt_pct(row.floor_us, row.read_us)) if row.read_us else ("-", "-")
         parts += [fmt_us(row.floor_us), row.bound, *read, errs]
         out.append("| " + " | ".join(parts) + " |")
     return out
