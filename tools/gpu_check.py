@@ -9,8 +9,7 @@
 2. Measures the two ceilings in this process: HBM bandwidth (moegen.tune.bench.measure_ceilings,
    as the tuner: the better of a 4 GiB device-to-device copy, counting bytes read + written, and
    the fastest streaming read: a load-instruction Triton kernel and, on Hopper, a TMA reader) and
-   the bf16 GEMM rate (8192^3 matmul, random data), timed as
-   the kernels of step 3 are.
+   the bf16 GEMM rate (8192^3 matmul, random data), timed as the kernels of step 3 are.
 3. For each shipped spec and token count, times moegen's fused_moe (routing included), a naive
    per-expert PyTorch loop and torch._grouped_mm, each first checked against the float64
    reference (T <= 4096 only: the reference at T = 16384 costs more than the whole benchmark).
