@@ -17,11 +17,8 @@ from first_launch_replay import use_stand_in_hopper
 use_stand_in_hopper()
 from pathlib import Path
 import torch
-from triton.experimental.gluon import language as gl
 from moegen.tune import tma_read as r
-rows = torch.zeros(1000, r.BOX_COLUMNS, dtype=torch.bfloat16)
-layout = gl.NVMMASharedLayout.get_default_for([r.BOX_ROWS, r.BOX_COLUMNS], gl.bfloat16)
-desc = r.TensorDescriptor.from_tensor(rows, [r.BOX_ROWS, r.BOX_COLUMNS], layout)
+desc = r.box_descriptor(torch.zeros(1000, r.BOX_COLUMNS, dtype=torch.bfloat16))
 r._tma_read_kernel.warmup(desc, torch.zeros(4), 4, STAGES=r.STAGES, SUMMED_ROWS=r.SUMMED_ROWS, num_warps=4,
                           grid=(4,))
 ptx = "".join(p.read_text() for p in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.ptx"))

@@ -72,6 +72,13 @@ def _tma_read_kernel(desc, sums_ptr, num_boxes, STAGES: gl.constexpr, SUMMED_ROW
     ], [1], [40])
 
 
+def box_descriptor(rows: torch.Tensor) -> TensorDescriptor:
+    """[BOX_ROWS, BOX_COLUMNS] boxes of rows ([n, BOX_COLUMNS] bf16). Rows past the end of the last
+    box are out of bounds: TMA fills them with zeros and reads nothing."""
+    layout = gl.NVMMASharedLayout.get_default_for([BOX_ROWS, BOX_COLUMNS], gl.bfloat16)
+    return TensorDescriptor.from_tensor(rows, [BOX_ROWS, BOX_COLUMNS], layout)
+
+
 class TmaRead:
     """One launch reads src (bf16, any number of elements that is a multiple of 64) once;
     ``first_rows_sum()`` is what the last launch summed (the first SUMMED_ROWS rows of every
@@ -81,9 +88,7 @@ class TmaRead:
         if src.dtype != torch.bfloat16 or src.numel() % BOX_COLUMNS:
             raise ValueError(f"TmaRead reads bf16 tensors of a multiple of {BOX_COLUMNS} elements")
         rows = src.view(-1, BOX_COLUMNS)
-        layout = gl.NVMMASharedLayout.get_default_for([BOX_ROWS, BOX_COLUMNS], gl.bfloat16)
-        # Rows past the end of the last box are out of bounds: TMA fills them with zeros and reads nothing.
-        self.desc = TensorDescriptor.from_tensor(rows, [BOX_ROWS, BOX_COLUMNS], layout)
+        self.desc = box_descriptor(rows)
         self.num_boxes = triton.cdiv(rows.shape[0], BOX_ROWS)
         programs = min(torch.cuda.get_device_properties(src.device).multi_processor_count, self.num_boxes)
         self.sums = torch.zeros(programs, dtype=torch.float32, device=src.device)
