@@ -22,7 +22,13 @@ SHARED_DIR = REPO_ROOT.parent / "shared"
 
 
 @pytest.fixture(scope="session")
-def sm90_compile_env():
+def no_interpreter_env():
+    """The environment for a subprocess that runs Triton without the interpreter."""
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+@pytest.fixture(scope="session")
+def sm90_compile_env(no_interpreter_env):
     """The environment for a subprocess that compiles for sm_90 on the CPU against the stand-in
     driver of tests/first_launch_replay.py (no interpreter); skips without a runnable ptxas."""
     import subprocess
@@ -30,7 +36,7 @@ def sm90_compile_env():
     ptxas = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file() or subprocess.run([str(ptxas), "--version"], capture_output=True).returncode != 0:
         pytest.skip("no runnable ptxas in this Triton install")
-    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return no_interpreter_env
 
 
 @pytest.fixture(scope="session")

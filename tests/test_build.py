@@ -235,7 +235,7 @@ def test_precompiled_launches_match_the_runtimes(package_factory, tma):
     assert any(isinstance(a, TensorDescriptor) for _, args, _ in launched for a in args) == tma
 
 
-def test_kernel_cache_keys_do_not_depend_on_launch_order(package_factory):
+def test_kernel_cache_keys_do_not_depend_on_launch_order(package_factory, no_interpreter_env):
     """Triton keys a kernel that calls a shared helper differently depending on whether the
     helper was keyed first; the generated package settles the order at import, so a process
     that launches the decode kernel first finds the same compiled kernels as the build, which
@@ -247,9 +247,8 @@ def test_kernel_cache_keys_do_not_depend_on_launch_order(package_factory):
     script = ("import json, sys\nfrom moegen import load\nks = load(sys.argv[1]).KERNELS\n"
               "getattr(ks, sys.argv[2]).cache_key\n"
               f"print(json.dumps({{n: getattr(ks, n).cache_key for n in {names!r}}}))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    keys = [json.loads(subprocess.run([sys.executable, "-c", script, str(folder), first], env=env, check=True,
-                                      capture_output=True, text=True).stdout)
+    keys = [json.loads(subprocess.run([sys.executable, "-c", script, str(folder), first], env=no_interpreter_env,
+                                      check=True, capture_output=True, text=True).stdout)
             for first in ("decode", "route_count", "route_align")]
     assert keys[0] == keys[1] == keys[2]
 
