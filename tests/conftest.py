@@ -39,6 +39,41 @@ def sm90_compile_env(no_interpreter_env):
     return no_interpreter_env
 
 
+_SM90_PREAMBLE = """
+import os, sys, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="moegen-sm90-")
+os.environ["MOEGEN_PRECOMPILE"] = "0"
+sys.path[:0] = [{repo!r}, {tests!r}]
+from first_launch_replay import use_stand_in_hopper
+use_stand_in_hopper()
+"""
+_SM90_EPILOGUE = """
+import json
+from pathlib import Path
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+print(json.dumps({str(p.relative_to(cache)): p.read_text() for p in cache.rglob("*.ptx")}))
+"""
+
+
+@pytest.fixture(scope="session")
+def compile_sm90(sm90_compile_env):
+    """compile_sm90(code) -> {cache path: PTX} of every kernel the code compiles, run in a
+    subprocess on the CPU for sm_90 against the stand-in driver: what the GPU machine's Triton
+    will build, checkable in CI (Gluon kernels cannot run in the interpreter at all)."""
+    import json
+    import subprocess
+    import sys
+
+    def compile_code(code: str) -> dict[str, str]:
+        script = _SM90_PREAMBLE.format(repo=str(REPO_ROOT), tests=str(REPO_ROOT / "tests")) + code + _SM90_EPILOGUE
+        result = subprocess.run([sys.executable, "-c", script], env=sm90_compile_env, capture_output=True,
+                                text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    return compile_code
+
+
 @pytest.fixture(scope="session")
 def package_factory(tmp_path_factory):
     """build(**model_fields) -> imported generated package, cached per distinct model."""

@@ -200,14 +200,9 @@ def test_decode_kernel(case, tma, package_factory):
         assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
 
 
-FINISH_PTX = """
-import os, sys, tempfile
+FINISH_COMPILE = """
+import tempfile
 from pathlib import Path
-os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="moegen-finish-")
-os.environ["MOEGEN_PRECOMPILE"] = "0"
-sys.path[:0] = [{repo!r}, {tests!r}]
-from first_launch_replay import use_stand_in_hopper
-use_stand_in_hopper()
 import torch
 import moegen
 from moegen.package import build
@@ -219,26 +214,18 @@ out = torch.zeros(ks.hidden_size, dtype=ks.dtype)
 for pdl in (False, True):
     ks.decode_finish.warmup(work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, USE_PDL=pdl, num_warps=4,
                             grid=(1,))
-for ptx in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*finish*.ptx"):
-    print("@@" + ptx.read_text())
 """
 
 
-def test_decode_finish_reads_every_sum_before_zeroing(sm90_compile_env):
+def test_decode_finish_reads_every_sum_before_zeroing(compile_sm90):
     """The finish reads the workspace and zeroes it: compiled for sm_90, a barrier separates the
     last load from the first zeroing store, so no thread zeroes a sum that another thread (with
     another share of the elements) has yet to read. A race the interpreter cannot show."""
     import re
-    import subprocess
-    import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parent.parent
-    code = FINISH_PTX.format(repo=str(repo), tests=str(repo / "tests"), spec=str(repo / "specs" / "olmoe-1b-7b.yaml"))
-    result = subprocess.run([sys.executable, "-c", code], env=sm90_compile_env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    kernels = result.stdout.split("@@")[1:]
+    spec = Path(__file__).resolve().parent.parent / "specs" / "olmoe-1b-7b.yaml"
+    kernels = [ptx for name, ptx in compile_sm90(FINISH_COMPILE.format(spec=str(spec))).items() if "finish" in name]
     assert len(kernels) == 2  # with and without the programmatic dependent wait
     for ptx in kernels:
         lines = ptx.splitlines()
