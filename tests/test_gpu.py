@@ -254,10 +254,12 @@ DECODE_CASES = (
 )
 
 
+@pytest.mark.parametrize("stagger_k", [False, True], ids=["", "k_staggered"])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
-def test_decode_kernel_matches_float64_reference(case, models):
+def test_decode_kernel_matches_float64_reference(case, stagger_k, models):
     """The one-launch decode kernel at the batch sizes it serves, whatever the tuned configs
-    chose; called twice, as the second call finds the workspace the first re-zeroed."""
+    chose, with GEMM1's walk staggered and not; called twice, as the second call finds the
+    workspace the first re-zeroed."""
     from dataclasses import replace
 
     from moegen.plan.configs import DECODE_DEFAULT
@@ -265,7 +267,7 @@ def test_decode_kernel_matches_float64_reference(case, models):
 
     model = models[case.spec]
     ks = model.pkg.KERNELS
-    config = replace(ks.config_for(case.tokens), tma=True, **DECODE_DEFAULT)
+    config = replace(ks.config_for(case.tokens), tma=True, **DECODE_DEFAULT, decode_stagger_k=stagger_k)
     x, logits, bias, _ = case_inputs(case, model)
     expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
     for call in range(2):

@@ -178,11 +178,19 @@ DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
     # ~100 programs: groups of neighbours start GEMM2 at each of the three chunks of H (one partial).
     Case("decode_staggered_chunks", 9, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)),
 ]
+# (case, GEMM1's walk staggered): the staggered walk where groups start at each of three steps
+# along H, the last one partial (H = 72) and not (H = 96).
+DECODE_MATRIX = [(case, False) for case in DECODE_CASES] + [
+    (DECODE_CASES[-1], True),
+    (Case("decode_staggered_steps", 9, dict(BASE, hidden_size=96, intermediate_size=136, num_experts=12, top_k=4)),
+     True),
+]
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c.name)
-def test_decode_kernel(case, tma, package_factory):
+@pytest.mark.parametrize("case,stagger_k", DECODE_MATRIX,
+                         ids=lambda v: v.name if isinstance(v, Case) else ("k_staggered" if v else ""))
+def test_decode_kernel(case, stagger_k, tma, package_factory):
     """The one-launch decode path: routing in every program, distinct experts found per batch,
     slices of I not dividing I, output chunks not dividing H; then a second call, which must
     find the workspace zeroed again."""
@@ -193,7 +201,7 @@ def test_decode_kernel(case, tma, package_factory):
     pkg = package_factory(**case.model)
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
     config = replace(pkg.KERNELS.config_for(case.tokens), tma=tma, decode_block_n=16, decode_block_k=32,
-                     decode_block_h=32, decode_num_warps=4, decode_num_stages=2)
+                     decode_block_h=32, decode_num_warps=4, decode_num_stages=2, decode_stagger_k=stagger_k)
     for _ in range(2):
         x, logits, w13, w2, bias = _inputs(case, pkg, generator)
         out = fused_moe(pkg.KERNELS, x, logits, w13, w2, correction_bias=bias, config=config)

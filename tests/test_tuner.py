@@ -155,7 +155,8 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
     default's; both ways of reading the weights are tried on Hopper, descriptors never before it;
     tail rows are tried from 512 tokens on (these shapes expect a row block per expert there);
     configs that group row blocks also try the smaller groups; configs with tail rows also try
-    the runs that carry them first."""
+    the runs that carry them first; decode sizes also try the decode kernel, and each of its
+    configs its staggered GEMM1 walk."""
     from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
     from moegen.spec import load_spec
@@ -207,6 +208,14 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
                 order = space.order_candidates(config, sig, gpu)
                 assert order == ([replace(config, tails_first=True)] if config.tail_m else [])
                 assert space.order_candidates(replace(config, tails_first=True), sig, gpu) == []
+            # The decode kernel at decode sizes, each variant with GEMM1's walk staggered as a twin.
+            decode = space.decode_candidates(base, sig, gpu, tokens)
+            assert bool(decode) == (tokens <= 16) and space.stagger_candidates(base, sig, gpu) == []
+            assert "needs decode_block_n" in violation(replace(base, decode_stagger_k=True), sig, gpu)
+            for config in decode:
+                staggered = replace(config, decode_stagger_k=True)
+                assert space.stagger_candidates(config, sig, gpu) == [staggered]
+                assert violation(staggered, sig, gpu) is None and space.stagger_candidates(staggered, sig, gpu) == []
     # Tail rows where experts expect about a block or more, never at decode sizes.
     assert bool(tails_tried) == (tokens >= 512)
 

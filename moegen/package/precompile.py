@@ -123,8 +123,8 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                 compiled.append(ks.decode.warmup(
                     logits_dtype, torch.float32, ks.dtype, w13, w2, *decode,
                     BLOCK_T=decode_block_t(ks, bucket), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-                    BLOCK_H=cfg.decode_block_h, USE_TMA=use_tma, USE_PDL=pdl, num_warps=cfg.decode_num_warps,
-                    num_stages=cfg.decode_num_stages, grid=(1, 1)))
+                    BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, USE_PDL=pdl,
+                    num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, grid=(1, 1)))
             compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
                                                     num_warps=4, **as_dependent, grid=(1,)))
         previous = bucket

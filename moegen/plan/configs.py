@@ -78,6 +78,8 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return f"tail_split needs a half tail of at least {min(TAIL_ROWS)} rows (tail_m {c.tail_m})"
     if c.tails_first and not c.tail_m:
         return "tails_first orders the runs with tail rows: it needs tail_m"
+    if c.decode_stagger_k and not c.decode_block_n:
+        return "decode_stagger_k staggers the decode kernel's walk: it needs decode_block_n"
     if c.group_m not in ROW_GROUPS:
         return f"group_m {c.group_m} not one of {ROW_GROUPS} (groups divide the runs' rank wrap)"
     if c.streams not in (1, 2):

@@ -70,6 +70,9 @@ class KernelConfig:
     decode_block_h: int = 0
     decode_num_warps: int = 4
     decode_num_stages: int = 3
+    # The decode kernel's GEMM1 walk along H staggered between neighbouring programs, as its
+    # GEMM2 walk always is: faster at one token for some shapes, level or slower for others.
+    decode_stagger_k: bool = False
     # 2: the row blocks in two halves on two CUDA streams, each half GEMM1 then GEMM2, so that
     # one half's GEMM2 runs while the other's GEMM1 drains.
     streams: int = 1
@@ -78,7 +81,8 @@ class KernelConfig:
     def key(self) -> str:
         """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma, _t32, _d...)."""
         decode = (f"_d{self.decode_block_n}k{self.decode_block_k}h{self.decode_block_h}"
-                  f"w{self.decode_num_warps}s{self.decode_num_stages}" if self.decode_block_n else "")
+                  f"w{self.decode_num_warps}s{self.decode_num_stages}" + ("z" if self.decode_stagger_k else "")
+                  if self.decode_block_n else "")
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
                 f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
@@ -446,7 +450,7 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
         logits, bias, x, w13_arg, w2_arg, work,
         num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
         BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-        BLOCK_H=cfg.decode_block_h, USE_TMA=use_tma, USE_PDL=pdl,
+        BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, USE_PDL=pdl,
         num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
     )
     ks.decode_finish[(_cdiv(out.numel(), DECODE_FINISH_BLOCK),)](

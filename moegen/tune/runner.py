@@ -295,16 +295,21 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
             decode = space.decode_candidates(three_kernel, ir.signature, gpu, tokens)
             if decode:
                 best, best_time = search.improve(best, best_time, decode)
-                tried += len(decode)
+                stagger = space.stagger_candidates(best, ir.signature, gpu)
+                best, best_time = search.improve(best, best_time, stagger)
+                tried += len(decode) + len(stagger)
                 progress("decode kernel")
             # A forced re-tune keeps the entry it would replace where that is faster: one routing
             # sample and the clocks of the moment can crown a config slower than the entry. After an
             # upgrade the entry tuned for the previous templates or Triton stands in for it.
             incumbent = (entries[tokens].config if entries[tokens]
                          else db.previous(gpu.name, ir.signature, tokens, KERNEL_TEMPLATES))
-            if incumbent is not None and incumbent not in search.times:
-                best, best_time = search.improve(best, best_time, [incumbent])
-                tried += 1
+            # With its staggered twin: the search may have reached another decode config.
+            rivals = [c for c in ([incumbent, *space.stagger_candidates(incumbent, ir.signature, gpu)]
+                                  if incumbent is not None else []) if c not in search.times]
+            if rivals:
+                best, best_time = search.improve(best, best_time, rivals)
+                tried += len(rivals)
                 progress("incumbent")
             if math.isinf(best_time):
                 raise MoegenError(f"no config ran correctly for {tokens} tokens; failures: {list(failures.items())[:3]}")
