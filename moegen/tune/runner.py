@@ -305,8 +305,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
             incumbent = (entries[tokens].config if entries[tokens]
                          else db.previous(gpu.name, ir.signature, tokens, KERNEL_TEMPLATES))
             # With its staggered twin: the search may have reached another decode config.
-            rivals = [c for c in ([incumbent, *space.stagger_candidates(incumbent, ir.signature, gpu)]
-                                  if incumbent is not None else []) if c not in search.times]
+            rivals = [] if incumbent is None else [incumbent, *space.stagger_candidates(incumbent, ir.signature, gpu)]
+            rivals = [c for c in rivals if c not in search.times]
             if rivals:
                 best, best_time = search.improve(best, best_time, rivals)
                 tried += len(rivals)
