@@ -348,10 +348,10 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     for t in cold_tokens:
         x, logits = inputs(t)
         before = triton_cache_entries()
-        # One timing each, so without Python's cyclic collector (as timeit does): a full
-        # collection of a process with the four packages loaded took 0.1 s on a CPU, and it lands
-        # on whichever call crosses the allocation threshold.
-        gc.collect()
+        # One timing each, so with Python's cyclic collector off (as timeit does): a collection
+        # lands on whichever call crosses the allocation threshold (0.18-0.24 s with the four
+        # packages loaded). Not collected first either: right after a build that freed a lot,
+        # the first call then ran 3-28 ms slower (docs/PERFORMANCE.md, Cold start).
         gc.disable()
         try:
             for record in (first_ms, second_ms):
