@@ -349,9 +349,9 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
         x, logits = inputs(t)
         before = triton_cache_entries()
         # One timing each, so with Python's cyclic collector off (as timeit does): a collection
-        # lands on whichever call crosses the allocation threshold (0.18-0.24 s with the four
+        # lands on whichever call crosses the allocation threshold (0.18-0.25 s with the four
         # packages loaded). Not collected first either: right after a build that freed a lot,
-        # the first call then ran 3-28 ms slower (docs/PERFORMANCE.md, Cold start).
+        # the first call then ran 1-28 ms slower (docs/PERFORMANCE.md, Cold start).
         gc.disable()
         try:
             for record in (first_ms, second_ms):
