@@ -175,9 +175,17 @@ def test_row_block_groups_within_runs(case, group_m, streams, package_factory):
 DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
     Case("decode_all_on_one_expert", 9, BASE, routing="one_expert"),
     Case("decode_sixteen_tokens", 16, dict(BASE, num_experts=9, top_k=4)),
-    # One token: program d takes the token's d-th pick (grouped, biased; a single pick).
+    # One token: program d takes the token's d-th pick, two per top-k step (grouped, biased; a
+    # single pick; an odd k with the softmax's share of the whole row; groups by logits; ties; a
+    # logit of 100, whose exponential overflows unless taken relative to the max; a biased softmax).
     Case("decode_one_token_grouped", 1, GROUPED),
     Case("decode_one_token_top1", 1, dict(BASE, scoring="sigmoid", top_k=1, renormalize=False)),
+    Case("decode_one_token_no_renormalize", 1, dict(BASE, num_experts=9, top_k=5, renormalize=False)),
+    Case("decode_one_token_grouped_softmax", 1, dict(BASE, num_experts=8, n_group=4, topk_group=2, top_k=3)),
+    Case("decode_one_token_sigmoid", 1, dict(BASE, num_experts=9, scoring="sigmoid", top_k=4)),
+    Case("decode_one_token_ties", 1, dict(BASE, num_experts=9, top_k=4), routing="ties"),
+    Case("decode_one_token_one_expert", 1, dict(BASE, num_experts=9, top_k=4), routing="one_expert"),
+    Case("decode_one_token_softmax_bias", 1, dict(BASE, num_experts=9, top_k=3, correction_bias=True)),
     # ~100 programs: groups of neighbours start GEMM2 at each of the three chunks of H (one partial).
     Case("decode_staggered_chunks", 9, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)),
 ]
