@@ -186,6 +186,9 @@ DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
     Case("decode_one_token_ties", 1, dict(BASE, num_experts=9, top_k=4), routing="ties"),
     Case("decode_one_token_one_expert", 1, dict(BASE, num_experts=9, top_k=4), routing="one_expert"),
     Case("decode_one_token_softmax_bias", 1, dict(BASE, num_experts=9, top_k=3, correction_bias=True)),
+    # 33-128 positions: the row routed in one copy per warp (plain and grouped with a bias).
+    Case("decode_one_token_copies", 1, dict(BASE, num_experts=40, top_k=5, renormalize=False)),
+    Case("decode_one_token_copies_grouped", 1, dict(GROUPED, num_experts=64, top_k=6)),
     # ~100 programs: groups of neighbours start GEMM2 at each of the three chunks of H (one partial).
     Case("decode_staggered_chunks", 9, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)),
 ]
