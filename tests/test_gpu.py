@@ -320,6 +320,37 @@ def test_tail_rows_match_float64_reference(case, tail, models):
     check_close(out, expected, f"{case} {config.key}")
 
 
+# (block_m, tail_m, descriptors, warps, streams): half blocks (swapped MMAs of half a block's
+# rows) of 16 and 32 rows, on both ways of reading the weights, beside tail rows, in two-stream halves.
+HALF_BLOCK_CONFIGS = ((32, 0, False, 4, 1), (64, 0, True, 4, 1), (64, 16, True, 4, 2), (128, 32, True, 8, 1))
+
+
+@pytest.mark.parametrize("half", HALF_BLOCK_CONFIGS,
+                         ids=lambda h: f"m{h[0]}t{h[1]}{'_tma' if h[2] else ''}{'_2s' if h[4] == 2 else ''}")
+@pytest.mark.parametrize("case", [Case(spec, t) for spec in SPECS for t in (64, 300)]
+                         + [Case(spec, 300, "one_expert") for spec in SPECS], ids=str)
+def test_half_blocks_match_float64_reference(case, half, models):
+    """Blocks whose rows fit in their first half multiply only that half, whatever the tuned
+    configs chose."""
+    from dataclasses import replace
+
+    from moegen.runtime.fused import fused_moe
+
+    block_m, tail_m, tma, warps, streams = half
+    model = models[case.spec]
+    ks = model.pkg.KERNELS
+    config = replace(ks.config_for(case.tokens), block_m=block_m, tail_m=tail_m, tma=tma, decode_block_n=0,
+                     block_n=64, block_k=64, num_warps=warps, num_stages=3, down_block_n=64, down_block_k=64,
+                     down_num_warps=warps, down_num_stages=3, split_k=1, down_max_registers=0, streams=streams,
+                     group_m=1, tail_split=False, tails_first=False, half_blocks=True)
+    x, logits, bias, _ = case_inputs(case, model)
+    poison_allocator()
+    out = fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
+    torch.cuda.synchronize()
+    expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
+    check_close(out, expected, f"{case} {config.key}")
+
+
 @pytest.mark.parametrize("case", [Case(spec, t) for spec in SPECS for t in (64, 300)]
                          + [Case(spec, 300, "one_expert") for spec in SPECS], ids=str)
 def test_two_stream_halves_match_float64_reference(case, models):

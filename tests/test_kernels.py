@@ -435,6 +435,35 @@ def test_tail_rows(case, tma, split, tails_first, package_factory):
     _check_both_routings(pkg, x, logits, w13, w2, bias, config)
 
 
+HALF_BLOCK_CASES = [c for c in CASES if c.name in ("beyond_single_program_routing", "all_on_one_expert")] + [
+    Case("half_blocks_mixed", 50, BASE),
+    Case("half_blocks_fp16_gelu", 40, dict(BASE, hidden_size=64, intermediate_size=48, num_experts=5,
+                                           activation="gelu", dtype="float16")),
+]
+
+
+@pytest.mark.parametrize("tail_m,streams", [(0, 1), (8, 1), (0, 2)], ids=["padded", "tail_rows", "two_streams"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("case", HALF_BLOCK_CASES, ids=lambda c: c.name)
+def test_half_blocks(case, tma, tail_m, streams, package_factory):
+    """Blocks whose rows fit in their first half multiply only that half (32-row blocks: runs of
+    1-16 rows, and the last blocks of longer runs), beside full blocks and blocks with tail rows,
+    in two-stream halves; routed by the kernels and by the caller."""
+    from dataclasses import replace
+
+    pkg = package_factory(**case.model)
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 3 * tma + tail_m + streams)
+    x, logits, w13, w2, bias = _inputs(case, pkg, generator)
+    config = replace(pkg.KERNELS.config_for(case.tokens), block_m=32, tail_m=tail_m, half_blocks=True, tma=tma,
+                     streams=streams, split_k=1 + tma, block_n=16, block_k=32, down_block_n=32, down_block_k=16,
+                     decode_block_n=0, tail_split=False, tails_first=False)
+    _, ids, _ = ref.route_reference(logits, pkg.KERNELS.routing, bias)
+    counts = torch.bincount(ids.reshape(-1), minlength=pkg.SPEC.model.num_experts)
+    last_block_rows = (counts - 1) % 32 + 1
+    assert bool(((counts > 0) & (last_block_rows <= 16)).any()) and bool((counts > 16).any())  # half and full
+    _check_both_routings(pkg, x, logits, w13, w2, bias, config)
+
+
 def test_layer_loads_mixtral_and_deepseek_checkpoints(package_factory):
     for names, model in ((("w1", "w3", "w2"), BASE),
                          (("gate_proj", "up_proj", "down_proj"),

@@ -208,10 +208,16 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
                 order = space.order_candidates(config, sig, gpu)
                 assert order == ([replace(config, tails_first=True)] if config.tail_m else [])
                 assert space.order_candidates(replace(config, tails_first=True), sig, gpu) == []
+                # Half blocks: once, where half a block is an MMA's 16 rows or more.
+                half = space.half_candidates(config, sig, gpu)
+                assert half == ([replace(config, half_blocks=True)] if config.block_m >= 32 else [])
+                assert space.half_candidates(replace(config, half_blocks=True), sig, gpu) == []
             # The decode kernel at decode sizes, each variant with GEMM1's walk staggered as a twin.
             decode = space.decode_candidates(base, sig, gpu, tokens)
             assert bool(decode) == (tokens <= 16) and space.stagger_candidates(base, sig, gpu) == []
             assert "needs decode_block_n" in violation(replace(base, decode_stagger_k=True), sig, gpu)
+            assert "half_blocks needs" in violation(replace(base, block_m=16, tail_m=0, tail_split=False,
+                                                            tails_first=False, half_blocks=True), sig, gpu)
             for config in decode:
                 staggered = replace(config, decode_stagger_k=True)
                 assert space.stagger_candidates(config, sig, gpu) == [staggered]

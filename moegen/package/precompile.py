@@ -111,12 +111,13 @@ def compile_buckets(ks, launchers: bool = False) -> None:
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
         compiled.append(ks.gate_up.warmup(
             ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, **as_dependent,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,)))
+            GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
+            USE_TMA=use_tma, **as_dependent, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,)))
         compiled.append(ks.down_reduce.warmup(
             inter, ks.dtype, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m,
-            TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, **as_dependent, **down_launch(cfg), grid=(1, 1)))
+            TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma, **as_dependent,
+            **down_launch(cfg), grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
             for logits_dtype in logits_dtypes:

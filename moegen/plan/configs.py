@@ -76,6 +76,8 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return f"tail_m {c.tail_m} not one of {TAIL_ROWS} below block_m"
     if c.tail_split and c.tail_m // 2 < min(TAIL_ROWS):
         return f"tail_split needs a half tail of at least {min(TAIL_ROWS)} rows (tail_m {c.tail_m})"
+    if c.half_blocks and c.block_m // 2 < 16:
+        return f"half_blocks needs a half block of at least 16 rows, an MMA's least (block_m {c.block_m})"
     if c.tails_first and not c.tail_m:
         return "tails_first orders the runs with tail rows: it needs tail_m"
     if c.decode_stagger_k and not c.decode_block_n:

@@ -63,6 +63,10 @@ class KernelConfig:
     # With tail_m: the runs with tail rows come first in the layout and carry them on their first
     # block, so the longest blocks start first instead of finishing last (the alignment).
     tails_first: bool = False
+    # A row block whose rows fit in its first half (the last of its run, the rest padding)
+    # multiplies only that half in both GEMMs (read per block at run time): where experts expect
+    # about half a block each, half the blocks load and multiply half the rows.
+    half_blocks: bool = False
     # The one-launch decode kernel, for batches of at most DECODE_MAX_TOKENS routed by fused_moe
     # (0: not used): its slice of I, step along H, width of its output chunks, warps, stages.
     decode_block_n: int = 0
@@ -87,7 +91,7 @@ class KernelConfig:
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
                 f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
                 + (f"_t{self.tail_m}" if self.tail_m else "") + ("s" if self.tail_split else "")
-                + ("f" if self.tails_first else "")
+                + ("f" if self.tails_first else "") + ("_h" if self.half_blocks else "")
                 + (f"_r{self.down_max_registers}" if self.down_max_registers else "")
                 + ("_2s" if self.streams == 2 else "") + decode)
 
@@ -294,8 +298,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         num_tokens * ks.top_k, max_padded, 0 if first else num_tokens,
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **dependent,
+        TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent,
     )
     if zeroed is not None:
         zeroed.record()
@@ -307,8 +311,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         num_tokens * ks.top_k, max_padded,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, USE_TMA=use_tma,
-        **dependent, **down_launch(cfg),
+        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
+        USE_TMA=use_tma, **dependent, **down_launch(cfg),
     )
 
 
