@@ -300,18 +300,24 @@ TAIL_CONFIGS = ((64, 16, False, 4, 0, 1, False, False), (128, 32, True, 8, 0, 1,
 @pytest.mark.parametrize("case", TAIL_CASES, ids=str)
 def test_tail_rows_match_float64_reference(case, tail, models):
     """Blocks carrying their expert's last rows as tail rows, whatever the tuned configs chose."""
+    block_m, tail_m, tma, warps, max_registers, streams, split, first = tail
+    model = models[case.spec]
+    group_m = 1 if streams == 2 else model.pkg.KERNELS.config_for(case.tokens).group_m
+    check_row_layout(case, model, block_m=block_m, tail_m=tail_m, tma=tma, num_warps=warps,
+                     down_num_warps=warps, down_max_registers=max_registers, streams=streams, group_m=group_m,
+                     tail_split=split, tails_first=first)
+
+
+def check_row_layout(case: Case, model: Model, **fields) -> None:
+    """The case's call with its bucket's config on 64 x 64 tiles of three stages, the row layout
+    as fields set it, against the float64 reference."""
     from dataclasses import replace
 
     from moegen.runtime.fused import fused_moe
 
-    block_m, tail_m, tma, warps, max_registers, streams, split, first = tail
-    model = models[case.spec]
     ks = model.pkg.KERNELS
-    config = replace(ks.config_for(case.tokens), block_m=block_m, tail_m=tail_m, tma=tma, decode_block_n=0,
-                     block_n=64, block_k=64, num_warps=warps, num_stages=3, down_block_n=64, down_block_k=64,
-                     down_num_warps=warps, down_num_stages=3, split_k=1, down_max_registers=max_registers,
-                     streams=streams, group_m=1 if streams == 2 else ks.config_for(case.tokens).group_m,
-                     tail_split=split, tails_first=first)
+    config = replace(ks.config_for(case.tokens), decode_block_n=0, block_n=64, block_k=64, num_stages=3,
+                     down_block_n=64, down_block_k=64, down_num_stages=3, split_k=1, **fields)
     x, logits, bias, _ = case_inputs(case, model)
     poison_allocator()
     out = fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
@@ -332,23 +338,10 @@ HALF_BLOCK_CONFIGS = ((32, 0, False, 4, 1), (64, 0, True, 4, 1), (64, 16, True, 
 def test_half_blocks_match_float64_reference(case, half, models):
     """Blocks whose rows fit in their first half multiply only that half, whatever the tuned
     configs chose."""
-    from dataclasses import replace
-
-    from moegen.runtime.fused import fused_moe
-
     block_m, tail_m, tma, warps, streams = half
-    model = models[case.spec]
-    ks = model.pkg.KERNELS
-    config = replace(ks.config_for(case.tokens), block_m=block_m, tail_m=tail_m, tma=tma, decode_block_n=0,
-                     block_n=64, block_k=64, num_warps=warps, num_stages=3, down_block_n=64, down_block_k=64,
-                     down_num_warps=warps, down_num_stages=3, split_k=1, down_max_registers=0, streams=streams,
-                     group_m=1, tail_split=False, tails_first=False, half_blocks=True)
-    x, logits, bias, _ = case_inputs(case, model)
-    poison_allocator()
-    out = fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
-    torch.cuda.synchronize()
-    expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
-    check_close(out, expected, f"{case} {config.key}")
+    check_row_layout(case, models[case.spec], block_m=block_m, tail_m=tail_m, tma=tma, num_warps=warps,
+                     down_num_warps=warps, down_max_registers=0, streams=streams, group_m=1, tail_split=False,
+                     tails_first=False, half_blocks=True)
 
 
 @pytest.mark.parametrize("case", [Case(spec, t) for spec in SPECS for t in (64, 300)]
