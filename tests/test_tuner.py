@@ -208,9 +208,10 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
                 order = space.order_candidates(config, sig, gpu)
                 assert order == ([replace(config, tails_first=True)] if config.tail_m else [])
                 assert space.order_candidates(replace(config, tails_first=True), sig, gpu) == []
-                # Half blocks: once, where half a block is an MMA's 16 rows or more.
+                # Half blocks: once, without tail rows, where half a block is an MMA's 16 rows or more.
                 half = space.half_candidates(config, sig, gpu)
-                assert half == ([replace(config, half_blocks=True)] if config.block_m >= 32 else [])
+                assert half == ([replace(config, half_blocks=True)] if config.block_m >= 32 and not config.tail_m
+                                else [])
                 assert space.half_candidates(replace(config, half_blocks=True), sig, gpu) == []
             # The decode kernel at decode sizes, each variant with GEMM1's walk staggered as a twin.
             decode = space.decode_candidates(base, sig, gpu, tokens)

@@ -286,15 +286,22 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 # The runs' order moves a call by less than the routing sample does: judged on all.
                 order = space.order_candidates(step, ir.signature, gpu)
                 step, step_time = search.improve_as_judged(step, order, samples)
-                half = space.half_candidates(step, ir.signature, gpu)  # ~1%, under a sample's spread
-                step, step_time = search.improve_as_judged(step, half, samples)
-                tried += (len(gate_up) + len(down) + len(tma) + len(tail) + len(group) + len(streams) + len(order)
-                          + len(half))
+                tried += len(gate_up) + len(down) + len(tma) + len(tail) + len(group) + len(streams) + len(order)
                 if step_time < three_kernel_time:
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:
                     best, best_time = step, step_time
                 progress(f"block_m={start.block_m}")
+            # Half blocks on the best three-kernel config only: ~1%, under a sample's spread (judged
+            # on every sample), and each try compiles both GEMMs again.
+            half = space.half_candidates(three_kernel, ir.signature, gpu)
+            if half:
+                step, step_time = search.improve_as_judged(three_kernel, half, samples)
+                tried += len(half)
+                if best == three_kernel:
+                    best, best_time = step, step_time
+                three_kernel, three_kernel_time = step, step_time
+                progress("half blocks")
             decode = space.decode_candidates(three_kernel, ir.signature, gpu, tokens)
             if decode:
                 best, best_time = search.improve(best, best_time, decode)
