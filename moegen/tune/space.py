@@ -121,8 +121,8 @@ def order_candidates(base: KernelConfig, signature: KernelSignature, target) -> 
 def half_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
     """The best config with half blocks: a block whose rows fit in its first half multiplies only
     that half, swapped (0.2-1.5% faster at 128-1024 tokens where the blocks are about twice what
-    an expert expects, level for Mixtral at 64 tokens; 0.6-1.3% slower on all four configs with
-    tail rows measured, where experts expect a whole block: not tried there)."""
+    an expert expects, level for Mixtral at 64 tokens; 0.6-1.3% slower in every A/B of a config
+    with tail rows, where experts expect a whole block: not tried there)."""
     if base.half_blocks or base.tail_m:
         return []
     return _keep([replace(base, half_blocks=True)], signature, target)
