@@ -6,6 +6,7 @@ import io
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -247,9 +248,10 @@ def test_tails_try_gemm2_capped_to_two_programs_per_sm(down_block_n, down_num_wa
     assert all(c.down_max_registers in (0, 128) for c in tail)
 
 
-def _confirming(search_times: dict, per_sample: dict):
+def _confirming(search_times: dict, per_sample: dict, paired: Optional[dict] = None):
     """A GPU search whose candidates took search_times, timing per_sample[config][sample] in the
-    confirmation; also returns the list of what it timed there."""
+    confirmation and, in a duel, paired[config][sample] (default per_sample) in every round; also
+    returns the list of what it timed in the confirmation."""
     from moegen.tune import runner
 
     search = runner._Search(None, None, True, {}, lambda line: None)
@@ -261,6 +263,8 @@ def _confirming(search_times: dict, per_sample: dict):
         return per_sample[config][sample]
 
     search._time_as_judged = time_on
+    paired = paired or per_sample
+    search._time_in_rounds = lambda configs, sample: [[paired[c][sample]] * runner.DUEL_ROUNDS for c in configs]
     return search, timed
 
 
@@ -310,6 +314,37 @@ def test_confirmation_times_the_incumbent(incumbent_mean, kept):
     assert search.confirm(default, [0, 1, 2], incumbent)[0] == (incumbent if kept else second)
     assert {c for c, _ in timed} == set(per_sample)
     assert search.confirm(default, [0, 1, 2])[0] == second
+
+
+@pytest.mark.parametrize("paired_second,kept", [((11.0, 12.0, 12.0), False), ((11.0, 12.0, 12.2), True),
+                                                ((12.0, 12.0, 12.0), True)],
+                         ids=["paired_win", "paired_within_margin", "paired_loss"])
+def test_replacing_the_incumbent_needs_a_paired_win(paired_second, kept):
+    """A best finalist more than INCUMBENT_MARGIN faster than the incumbent in the confirmation
+    replaces it only if it is that much faster again in the duel, a paired A/B on every sample
+    (incumbent here 35.4 in both; the challenger 35.0, 35.2 or 36.0 in the duel)."""
+    from moegen.tune.runner import CONFIRM_FINALISTS
+
+    default, *ranked, incumbent = _qwen3_configs(*range(1, CONFIRM_FINALISTS + 2))
+    first, second = ranked[:2]
+    per_sample = {c: (12.0 + i,) * 3 for i, c in enumerate(ranked)}
+    per_sample.update({first: (10.0, 13.0, 13.0), second: (11.0, 11.0, 11.0), default: (20.0, 20.0, 20.0),
+                       incumbent: (14.0, 10.0, 11.4)})
+    search_times = {**{c: 10.0 + i for i, c in enumerate(ranked)}, incumbent: 30.0, default: 20.0}
+    search, _ = _confirming(search_times, per_sample, {**per_sample, second: paired_second})
+    best, best_us, _ = search.confirm(default, [0, 1, 2], incumbent)
+    assert (best, best_us) == ((incumbent, pytest.approx(35.4 / 3)) if kept else (second, pytest.approx(11.0)))
+
+
+def test_rounds_alternate_their_order():
+    """time_in_rounds times every call in each round, the order reversed every other round."""
+    from moegen.tune import bench
+
+    calls = []
+    times = bench.time_in_rounds([lambda: calls.append("a"), lambda: calls.append("b")], False, 3)
+    assert [len(t) for t in times] == [3, 3]
+    firsts = calls[::len(calls) // 6]  # the first call of each of the six timings (each calls alike)
+    assert firsts == ["a", "b", "b", "a", "a", "b"]
 
 
 def test_tail_step_ranks_as_judged_on_every_sample():

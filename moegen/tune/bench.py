@@ -99,6 +99,20 @@ def time_call_evicted(fn: Callable[[], object], on_gpu: bool, target_s: float = 
     return us
 
 
+def time_in_rounds(fns: list[Callable[[], object]], on_gpu: bool, rounds: int) -> list[list[float]]:
+    """Each fn's microseconds in every round, the order reversed every other round (so drifting
+    clocks meet them alike): a paired A/B. On the GPU each fn is captured once and timed as
+    time_evicted times a call; on the CPU, wall clock."""
+    if on_gpu:
+        fns = [capture_graph(fn)[0].replay for fn in fns]
+    times = [[] for _ in fns]
+    for round_ in range(rounds):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            times[i].append(time_evicted(fns[i]) if on_gpu else time_cpu(fns[i]))
+    return times
+
+
 @functools.cache  # one jitted kernel per process: gpu_check asks for it once per memory-bound cell
 def streaming_read_kernel():
     import triton

@@ -4,6 +4,7 @@ the tuning database. Progress goes to stderr, the final table to stdout."""
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -73,6 +74,10 @@ STEP_TIMING_S = 0.15
 # average: on the H200 the means of near-equal configs differ by ~0.1-1% between runs, and an
 # entry that flips on noise churns the shared database for nothing.
 INCUMBENT_MARGIN = 0.01
+# And only with a config that also beats it by the margin in a paired A/B: both captured once per
+# sample, timed in rounds of alternating order. Beyond the ridge the confirmation's one timing per
+# config and sample crowned configs that such an A/B found level or slower (docs/PERFORMANCE.md).
+DUEL_ROUNDS = 4
 
 
 class _Sample:
@@ -182,7 +187,8 @@ class _Search:
         """(best, its time, the default's time), all as means over samples: the fastest
         CONFIRM_FINALISTS of the search, the default and the incumbent (the database's entry
         a forced re-tune would replace, or the stale one an upgrade left), timed in turns on every
-        sample as gpu_check times. The incumbent stays unless the best is INCUMBENT_MARGIN faster."""
+        sample as gpu_check times. The incumbent stays unless the best is INCUMBENT_MARGIN faster,
+        there and in a paired A/B with it (duel)."""
         finalists = sorted(self.times, key=self.times.get)[:CONFIRM_FINALISTS]
         finalists += [c for c in dict.fromkeys((default, incumbent)) if c in self.times and c not in finalists]
         means = self.judged_means(finalists, samples)
@@ -190,9 +196,27 @@ class _Search:
             f"{c.key}{' (incumbent)' if c == incumbent else ''} {self.times[c]:.1f} -> {t:.1f} us"
             for c, t in means.items())))
         best = min(finalists, key=means.get)
-        if incumbent in means and means[best] > means[incumbent] * (1 - INCUMBENT_MARGIN):
+        if incumbent in means and best != incumbent and (
+                means[best] > means[incumbent] * (1 - INCUMBENT_MARGIN)
+                or self.duel(best, incumbent, samples) > 1 - INCUMBENT_MARGIN):
             best = incumbent
         return best, means[best], means.get(default, math.inf)
+
+    def _time_in_rounds(self, configs, sample: _Sample) -> list[list[float]]:
+        return bench.time_in_rounds([lambda c=c: self._call(c, sample) for c in configs], self.on_gpu, DUEL_ROUNDS)
+
+    def duel(self, challenger: KernelConfig, incumbent: KernelConfig, samples) -> float:
+        """The challenger's time over the incumbent's in a paired A/B: on every sample each one's
+        median over DUEL_ROUNDS rounds, summed over the samples."""
+        totals = [0.0, 0.0]
+        for sample in samples:
+            for i, times in enumerate(self._time_in_rounds([challenger, incumbent], sample)):
+                totals[i] += statistics.median(times)
+        ratio = totals[0] / totals[1]
+        self.log(f"    paired with the incumbent on {len(samples)} routings: {challenger.key} "
+                 f"{totals[0] / len(samples):.1f} us, incumbent {totals[1] / len(samples):.1f} us "
+                 f"({100 * (ratio - 1):+.2f}%)")
+        return ratio
 
     def improve_as_judged(self, config: KernelConfig, configs, samples) -> tuple[KernelConfig, float]:
         """(config or the fastest of configs by judged_means over samples, its search time)."""
