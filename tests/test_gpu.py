@@ -524,3 +524,21 @@ def test_tma_read_visits_every_box(rows):
         run()
         torch.cuda.synchronize()
         assert abs(read.first_rows_sum() - expected) <= 1e-5 * scale, run
+
+
+# ---------------------------------------------------------------------------------------------
+# The tuner's paired timing (a forced re-tune's duel)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_paired_rounds_replay_each_call():
+    """bench.time_in_rounds captures each call once and replays it in every round: each call's
+    counter advances by at least time_evicted's minimum of replays per round, and every round
+    gives a finite time."""
+    from moegen.tune import bench
+
+    counters = [torch.zeros(1, device=DEVICE, dtype=torch.float64) for _ in range(2)]
+    times = bench.time_in_rounds([lambda c=c: c.add_(1.0) for c in counters], True, 3)
+    assert [len(t) for t in times] == [3, 3]
+    assert all(0.0 < us < float("inf") for t in times for us in t)
+    assert all(c.item() >= 3 * 5 for c in counters)
