@@ -103,7 +103,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--save-dir", type=Path, default=None,
                    help="where results go (default: MOEGEN_TUNED_CONFIG_DIR, else the shipped tuned/)")
     t.add_argument("--force", action="store_true",
-                   help="re-tune buckets the database already has (an entry stays unless a config is at least 1%% faster)")
+                   help="re-tune buckets the database already has (an entry stays unless a config is at least 1%% "
+                        "faster in the confirmation and again in a paired duel with it)")
     t.set_defaults(run=_cmd_tune)
 
     pl = sub.add_parser("plan", help="print the expert-offload plan (slots, pinned experts, prefetch, expected cost)")
