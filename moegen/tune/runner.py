@@ -322,7 +322,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
             if half:
                 step, step_time = search.improve_as_judged(three_kernel, half, samples)
                 tried += len(half)
-                if best == three_kernel:
+                if best == three_kernel or step_time < best_time:
                     best, best_time = step, step_time
                 three_kernel, three_kernel_time = step, step_time
                 progress("half blocks")
