@@ -32,8 +32,8 @@ def _mock_launch_args(ks):
     route = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, n, e, n)
     count = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, n, e)
     place = (torch.int32,) * 6 + (n, n)
-    gate_up = (ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n, h, 2 * i * h, h, i)
-    down = (torch.float32, torch.int32, torch.int32, torch.int32, n, n, i, h * i, i, h)
+    gate_up = (ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n, n, h, 2 * i * h, h, i)
+    down = (torch.float32, torch.int32, torch.int32, torch.int32, n, n, n, i, h * i, i, h)
     decode = (torch.float32, n, e, h, 2 * i * h, h, h * i, i)  # after logits, bias, x, w13, w2
     return route, count, place, gate_up, down, decode
 

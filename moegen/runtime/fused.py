@@ -243,7 +243,7 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
     num_blocks = aligned.max_padded // cfg.block_m
     if cfg.streams == 1:
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, num_blocks, aligned.num_padded)
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, num_blocks)
         return out
     # Halves of the blocks the routing is expected to fill (a guess only balances the halves: the
     # second half's blocks past the padded total exit at once), split at a multiple of 4 blocks
@@ -252,27 +252,21 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     half = expected_blocks(weights.numel(), ks.num_experts, cfg.block_m) // 2
     split = min(num_blocks, max(4, half // 4 * 4))
     if not hidden_states.is_cuda:  # the interpreter: one half after the other
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded)
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks,
-               aligned.num_padded - split * cfg.block_m)
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split)
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks)
         return out
     device = hidden_states.device
     main, side, zeroed = torch.cuda.current_stream(device), side_stream(device), torch.cuda.Event()
     side.wait_stream(main)
-    _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, aligned.num_padded, zeroed)
+    _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, zeroed)
     with torch.cuda.stream(side):
-        # The second half's row count is computed on its own stream: on the caller's it would
-        # stand between the routing and the first half's GEMM1, which then could not launch as
-        # the routing's programmatic dependent.
-        second_padded = aligned.num_padded - split * cfg.block_m
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, second_padded,
-               wait_for=zeroed)
+        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, wait_for=zeroed)
     main.wait_stream(side)
     return out
 
 
 def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2, inter, out,
-           first: int, end: int, num_padded, zeroed=None, wait_for=None):
+           first: int, end: int, zeroed=None, wait_for=None):
     """GEMM1 then GEMM2 over row blocks first .. end-1, which the kernels see as blocks 0 ..
     end-first-1 through shifted views. A range from block 0 zeroes the output in GEMM1 (and
     records ``zeroed`` after it); another does not, and its GEMM2 waits for ``wait_for``."""
@@ -282,7 +276,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     sorted_slots, block_runs, inter = (aligned.sorted_slots[first * bm:], aligned.block_runs[first:],
                                        inter[first * bm:])
     # The kernels find block b's tail rows at max_padded + b * TAIL_M of the layout they see: a
-    # range not from block 0 passes the base its shifted view needs.
+    # range not from block 0 passes the base its shifted view needs, and its first row, which
+    # the kernels add to their blocks' rows before comparing them with the padded total.
     max_padded = aligned.max_padded + first * (aligned.tail_m - bm)
     use_tma = cfg.tma and tma_compatible(w13, w2, inter)
     dependent = dependent_launch(pdl_supported(hidden_states.device))
@@ -294,8 +289,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         w13_arg, w2_arg, inter_arg = w13, w2, inter
     ks.gate_up[((end - first) * _cdiv(i, cfg.block_n),)](
         hidden_states, w13_arg, inter, out,
-        sorted_slots, block_runs, num_padded,
-        num_tokens * ks.top_k, max_padded, 0 if first else num_tokens,
+        sorted_slots, block_runs, aligned.num_padded,
+        num_tokens * ks.top_k, max_padded, 0 if first else num_tokens, first * bm,
         hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma,
@@ -307,8 +302,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
         torch.cuda.current_stream().wait_event(wait_for)
     ks.down_reduce[((end - first) * _cdiv(h, cfg.down_block_n), cfg.split_k)](
         inter_arg, inter, w2_arg, out, weights,
-        sorted_slots, block_runs, num_padded,
-        num_tokens * ks.top_k, max_padded,
+        sorted_slots, block_runs, aligned.num_padded,
+        num_tokens * ks.top_k, max_padded, first * bm,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
         SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
