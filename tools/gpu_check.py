@@ -23,6 +23,10 @@
    HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2. For memory-bound cells also
    the read-only bound: one launch of the fastest streaming read (the same two readers) over
    exactly the floor's bytes, timed as moegen is: a kernel that does nothing but read them.
+   Cells of at most 512 tokens again as a stack of layers: 2-8 calls (as memory allows), each
+   with its own inputs and its own copy of the experts, back to back in one CUDA graph, L2
+   evicted before the replay, time per layer; moegen, grouped_mm and the read-only bound. That
+   is how a layer meets them inside a model's graph, where one call per replay adds its launch.
 4. Records the first fused_moe call after import per spec and bucket (from an empty Triton
    cache unless --warm-triton-cache: a build on the target GPU ships compiled kernels) and the
    kernels Triton compiled during it: any, for a package that ships them, is a failure.
@@ -59,6 +63,8 @@ SMOKE_SPECS = ("tiny",)
 SMOKE_TOKENS = (1, 5, 17)
 REFERENCE_MAX_TOKENS = 4096  # larger T are timed but not checked against the float64 reference
 IMPLS = ("moegen", "naive", "grouped_mm")
+STACK_MAX_TOKENS = 512  # decode and middle cells, where a call's launch is a visible part of its time
+STACK_MAX_LAYERS = 8
 
 
 def parse_args(argv=None):
@@ -272,6 +278,20 @@ class Row:
 
 
 @dataclass
+class Stack:
+    """A cell of at most STACK_MAX_TOKENS tokens timed as a model's layers meet it: `layers`
+    calls, each with its own inputs and its own copy of the experts (so no layer finds another's
+    weights in L2), back to back in one CUDA graph, L2 evicted before the replay; per layer."""
+    spec: str
+    tokens: int
+    layers: int
+    floor_us: float  # the layers' mean floor
+    us: dict = field(default_factory=dict)  # impl or "read-only" -> microseconds per layer
+    err: dict = field(default_factory=dict)  # impl -> worst relative error of its layers in the replay
+    wrong: set = field(default_factory=set)
+
+
+@dataclass
 class Cold:
     spec: str
     build_s: float
@@ -332,8 +352,10 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     seed = sum(map(ord, spec_name))
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(e, 2 * inter, h, generator=gen, device=device, dtype=dtype).mul_(h ** -0.5)
-    w2 = torch.randn(e, h, inter, generator=gen, device=device, dtype=dtype).mul_(inter ** -0.5)
+    bank = torch.empty(bank_numel(e, h, inter), device=device, dtype=dtype)
+    w13, w2 = bank_views(bank, e, h, inter)
+    torch.randn(w13.shape, generator=gen, out=w13).mul_(h ** -0.5)
+    torch.randn(w2.shape, generator=gen, out=w2).mul_(inter ** -0.5)
     bias = ref.balanced_correction_bias(e, device) if m.correction_bias else None
 
     def inputs(t: int):
@@ -373,16 +395,21 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     from moegen.runtime.step_graphs import capture_graph
     naive_moe, grouped_mm_moe = make_peers(torch, route)
     rows = []
-    for t in args.token_list:
-        x, logits = inputs(t)
+
+    def floor_of(t: int, logits) -> Floor:
         _, ids = route(logits, p, bias)
         touched = int(torch.unique(ids).numel())
-        floor_bytes = touched * 3 * h * inter * elt + 2 * t * h * elt
-        mem_s = floor_bytes / (ceil.hbm_gbps * 1e9)
+        nbytes = touched * 3 * h * inter * elt + 2 * t * h * elt
+        mem_s = nbytes / (ceil.hbm_gbps * 1e9)
         flop_s = 6 * t * k * h * inter / (ceil.gemm_tflops * 1e12)
-        row = Row(spec_name, t, max(mem_s, flop_s) * 1e6, "memory" if mem_s >= flop_s else "compute", touched)
+        return Floor(max(mem_s, flop_s) * 1e6, "memory" if mem_s >= flop_s else "compute", touched, nbytes)
+
+    for t in args.token_list:
+        x, logits = inputs(t)
+        floor = floor_of(t, logits)
+        row = Row(spec_name, t, floor.us, floor.bound, floor.touched)
         if timer.cuda and row.bound == "memory":
-            row.read_us = read_only_us(torch, device, timer, floor_bytes)
+            row.read_us = read_only_us(torch, device, timer, floor.nbytes)
         expected = (ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
                     if t <= REFERENCE_MAX_TOKENS else None)
         calls = {
@@ -428,18 +455,128 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
                     problems.append(f"{spec_name} T={t}: moegen timing failed: {exc}")
             del graph, timed
         rows.append(row)
-        del expected, x, logits, ids, calls
+        del expected, x, logits, calls
         gc.collect()
         if timer.cuda:
             torch.cuda.empty_cache()
         print(f"  {spec_name} T={t}: " + ", ".join(
             f"{n} {r.us:.1f} us" if r.us is not None else f"{n} n/a" for n, r in row.results.items()),
             file=sys.stderr, flush=True)
-    del w13, w2, bias
+
+    stacks = []
+    stack_tokens = [t for t in args.token_list if t <= STACK_MAX_TOKENS]
+    if stack_tokens:
+        buffers = [bank, *(bank.clone() for _ in range(stack_layers(torch, timer, bank) - 1))]
+        # The naive loop synchronizes with the host, so it cannot be captured: not stacked.
+        impls = {"moegen": lambda x, logits, w13, w2: pkg.fused_moe(x, logits, w13, w2, correction_bias=bias),
+                 "grouped_mm": lambda x, logits, w13, w2: grouped_mm_moe(x, logits, w13, w2, p, bias, m.activation)}
+
+        def reference(x, logits, w13, w2):
+            return ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
+
+        for t in stack_tokens:
+            layers = [Layer(b, *bank_views(b, e, h, inter), *inputs(t)) for b in buffers]
+            try:
+                stack = bench_stack(ctx, spec_name, t, layers, impls, reference, floor_of, tol)
+            except Exception as exc:  # noqa: BLE001 - the spec's one-call rows still stand
+                traceback.print_exc()
+                problems.append(f"{spec_name} T={t} in a stack of layers: {type(exc).__name__}: {exc}")
+                continue
+            if "moegen" in stack.wrong:
+                problems.append(f"{spec_name} T={t} in a stack of {stack.layers} layers: moegen relative "
+                                f"error {stack.err['moegen']} > {tol}")
+            stacks.append(stack)
+            print(f"  {spec_name} T={t} stack of {stack.layers}: " + ", ".join(
+                f"{n} {us:.1f} us" for n, us in stack.us.items()), file=sys.stderr, flush=True)
+            del layers
+        del buffers, impls
+    del bank, w13, w2, bias
     gc.collect()
     if timer.cuda:
         torch.cuda.empty_cache()
-    return cold, rows, problems
+    return cold, rows, stacks, problems
+
+
+def bank_numel(e: int, h: int, inter: int) -> int:
+    """Elements of one layer's experts (w13 then w2) in one buffer, with room after them for the
+    activations in and out of STACK_MAX_TOKENS tokens: a stacked layer's read-only bound reads
+    its floor's bytes from the start of its own buffer."""
+    return 3 * e * inter * h + 2 * STACK_MAX_TOKENS * h + 64  # + 64: a 128-byte row of rounding
+
+
+def bank_views(bank, e: int, h: int, inter: int):
+    """(w13 [E, 2I, H], w2 [E, H, I]) as views of a bank_numel buffer."""
+    w13_numel = 2 * e * inter * h
+    return bank[:w13_numel].view(e, 2 * inter, h), bank[w13_numel:w13_numel + e * h * inter].view(e, h, inter)
+
+
+def stack_layers(torch, timer: Timer, bank) -> int:
+    """Layers of a stack: STACK_MAX_LAYERS where three quarters of the free memory holds their
+    copies of the experts, fewer where it does not (DeepSeek-V3's are 22.5 GB a layer), at least 2."""
+    if not timer.cuda:
+        return 2
+    free, _ = torch.cuda.mem_get_info()
+    copies = int(0.75 * free // (bank.numel() * bank.element_size()))
+    return 1 + max(1, min(STACK_MAX_LAYERS - 1, copies))
+
+
+@dataclass
+class Floor:
+    us: float
+    bound: str  # "memory" or "compute"
+    touched: int  # distinct experts the routing chose
+    nbytes: int  # the memory floor's bytes
+
+
+@dataclass
+class Layer:
+    bank: object  # the buffer w13 and w2 view
+    w13: object
+    w2: object
+    x: object
+    logits: object
+
+
+def bench_stack(ctx, spec_name: str, t: int, layers: list[Layer], impls: dict, reference: Callable,
+                floor_of: Callable, tol: float) -> Stack:
+    """Each impl's layers captured back to back in one CUDA graph (run eagerly on the CPU),
+    checked after the timed replays against the float64 reference; and the read-only bound the
+    same way: one streaming read per layer over its floor's bytes, from its own buffer."""
+    torch, timer = ctx["torch"], ctx["timer"]
+    from moegen import reference as ref
+    from moegen.runtime.step_graphs import capture_graph
+    from moegen.tune.bench import streaming_reads
+
+    floors = [floor_of(t, layer.logits) for layer in layers]
+    stack = Stack(spec_name, t, len(layers), sum(f.us for f in floors) / len(layers))
+    expected = [reference(layer.x, layer.logits, layer.w13, layer.w2) for layer in layers]
+    for name, impl in impls.items():
+        def run():
+            return [impl(layer.x, layer.logits, layer.w13, layer.w2) for layer in layers]
+
+        graph, outs = capture_graph(run, warmups=2) if timer.cuda else (None, run())
+        stack.us[name] = timer.median_us(graph.replay if graph else run) / len(layers)
+        timer.sync()
+        stack.err[name] = max(ref.relative_error(out, want) for out, want in zip(outs, expected))
+        if not stack.err[name] <= tol:
+            stack.wrong.add(name)
+        del graph, outs
+    if timer.cuda and all(f.bound == "memory" for f in floors):
+        # Whole 128-byte rows, which the TMA reader needs: the bank's slack covers the rounding.
+        spans = [layer.bank[:-(-f.nbytes // 128) * 128 // layer.bank.element_size()]
+                 for layer, f in zip(layers, floors)]
+        readers = [streaming_reads(span) for span in spans]
+        best = math.inf
+        for kind in range(min(map(len, readers))):
+            def read_all(kind=kind):
+                for per_layer in readers:
+                    per_layer[kind]()
+
+            graph, _ = capture_graph(read_all)
+            best = min(best, timer.median_us(graph.replay))
+            del graph
+        stack.us["read-only"] = best / len(layers)
+    return stack
 
 
 def read_only_us(torch, device, timer: Timer, nbytes: int) -> float:
@@ -501,6 +638,24 @@ def results_table(rows: list[Row]) -> list[str]:
         errs = " / ".join(fmt_err(row.results[n].err) if n in row.results else "-" for n in IMPLS)
         read = (fmt_us(row.read_us), fmt_pct(row.floor_us, row.read_us)) if row.read_us else ("-", "-")
         parts += [fmt_us(row.floor_us), row.bound, *read, errs]
+        out.append("| " + " | ".join(parts) + " |")
+    return out
+
+
+def stack_table(stacks: list[Stack]) -> list[str]:
+    out = ["| spec | T | layers | moegen us | %floor | grouped_mm us | %floor | floor us | read-only us | %floor "
+           "| err |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for st in stacks:
+        def cell(name):
+            us = st.us.get(name)
+            if us is None:
+                return ["-", "-"]
+            return [fmt_us(us) + (" **WRONG**" if name in st.wrong else ""), fmt_pct(st.floor_us, us)]
+
+        errs = " / ".join(fmt_err(st.err.get(n)) for n in ("moegen", "grouped_mm"))
+        parts = [st.spec, str(st.tokens), str(st.layers), *cell("moegen"), *cell("grouped_mm"), fmt_us(st.floor_us),
+                 *cell("read-only"), errs]
         out.append("| " + " | ".join(parts) + " |")
     return out
 
@@ -571,6 +726,7 @@ def main(argv=None) -> int:
 
     ctx = dict(torch=torch, device=device, timer=timer, ceil=ceil, args=args)
     rows: list[Row] = []
+    stacks: list[Stack] = []
     colds: list[Cold] = []
     problems: list[str] = []
     rate_before: dict[str, float] = {}  # the GEMM rate again before each spec: how far it drifts
@@ -582,7 +738,7 @@ def main(argv=None) -> int:
                 rate_before[spec_name] = measure_gemm_tflops()
                 torch.cuda.empty_cache()
             try:
-                cold, spec_rows, spec_problems = bench_spec(ctx, spec_name, Path(build_dir))
+                cold, spec_rows, spec_stacks, spec_problems = bench_spec(ctx, spec_name, Path(build_dir))
             except Exception as exc:  # noqa: BLE001 - keep going with the other specs
                 traceback.print_exc()
                 problems.append(f"{spec_name}: {type(exc).__name__}: {exc}")
@@ -592,6 +748,7 @@ def main(argv=None) -> int:
                 continue
             colds.append(cold)
             rows.extend(spec_rows)
+            stacks.extend(spec_stacks)
             problems.extend(spec_problems)
 
     say("## fused MoE: moegen vs peers")
@@ -618,6 +775,20 @@ def main(argv=None) -> int:
     for note in notes:
         say(f"- n/a {note}")
     say()
+    if stacks:
+        say(f"## In a stack of layers (T <= {STACK_MAX_TOKENS})")
+        say()
+        for line in stack_table(stacks):
+            say(line)
+        say()
+        say("- us: per layer, the median replay of one CUDA graph holding every layer's call back to back, "
+            "L2 evicted before the replay, divided by the layers; each layer has its own inputs, routing "
+            "and copy of the experts (no layer finds another's weights in L2), as a model's graph meets "
+            "them, where the table above times one call per replay, its launch included")
+        say("- %floor: the layers' mean floor (as above, each from its own routing) / the time per layer; "
+            "read-only: one streaming read per layer over its floor's bytes, captured the same way")
+        say("- err: the worst layer's relative error after the timed replays, moegen / grouped_mm")
+        say()
     say("## Cold start (first call after import)")
     say()
     for line in cold_table(colds):

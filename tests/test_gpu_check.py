@@ -1,0 +1,30 @@
+"""tools/gpu_check.py's whole pipeline on the CPU (`--cpu-smoke`: specs/tiny.yaml through Triton's
+interpreter): the peers table, the stacked layers (each layer checked against the float64
+reference after its timed calls) and the cold-start table, then a clean exit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SMOKE_TOKENS = (1, 5, 17)  # gpu_check's own smoke token counts, all within its stacked cells
+
+
+def test_cpu_smoke_run_reports_every_table(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu-smoke", "--skip-tests",
+                             "--skip-offload"], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = (tmp_path / "gpu_check.md").read_text()
+    lines = report.splitlines()
+    assert lines[-1].endswith("OK")
+    stack_at = lines.index("## In a stack of layers (T <= 512)")
+    cold_at = lines.index("## Cold start (first call after import)")
+    peers = [line for line in lines[:stack_at] if line.startswith("| tiny |")]
+    stacked = [line.split(" | ") for line in lines[stack_at:cold_at] if line.startswith("| tiny |")]
+    assert [int(row.split(" | ")[1]) for row in peers] == list(SMOKE_TOKENS)
+    assert [(int(row[1]), int(row[2])) for row in stacked] == [(t, 2) for t in SMOKE_TOKENS]  # 2 layers on the CPU
+    assert all("WRONG" not in line for line in peers + [" | ".join(row) for row in stacked])
