@@ -330,7 +330,7 @@ def resolve_spec(name: str) -> Path:
     raise FileNotFoundError(f"no spec {name!r} (looked for {candidate})")
 
 
-def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[str]]:
+def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[Stack], list[str]]:
     torch, device, timer, ceil, args = ctx["torch"], ctx["device"], ctx["timer"], ctx["ceil"], ctx["args"]
     from moegen import load
     from moegen import reference as ref
