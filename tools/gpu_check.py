@@ -612,8 +612,8 @@ def fmt_err(err: Optional[float]) -> str:
 
 
 def fmt_pct(floor_us: float, us: float) -> str:
-    # One decimal: a cell at 84.5% must not read as a met 85% line.
-    return f"{100 * floor_us / us:.1f}%"
+    # One decimal, rounded down: a cell at 84.5% or 84.96% must not read as a met 85% line.
+    return f"{math.floor(1000 * floor_us / us + 1e-9) / 10:.1f}%"
 
 
 def cells(res: Optional[Measured], floor_us: float) -> tuple[str, str]:
