@@ -23,8 +23,8 @@ def test_cpu_smoke_run_reports_every_table(tmp_path):
     assert lines[-1].endswith("OK")
     stack_at = lines.index("## In a stack of layers (T <= 512)")
     cold_at = lines.index("## Cold start (first call after import)")
-    peers = [line for line in lines[:stack_at] if line.startswith("| tiny |")]
+    peers = [line.split(" | ") for line in lines[:stack_at] if line.startswith("| tiny |")]
     stacked = [line.split(" | ") for line in lines[stack_at:cold_at] if line.startswith("| tiny |")]
-    assert [int(row.split(" | ")[1]) for row in peers] == list(SMOKE_TOKENS)
+    assert [int(row[1]) for row in peers] == list(SMOKE_TOKENS)
     assert [(int(row[1]), int(row[2])) for row in stacked] == [(t, 2) for t in SMOKE_TOKENS]  # 2 layers on the CPU
-    assert all("WRONG" not in line for line in peers + [" | ".join(row) for row in stacked])
+    assert all("WRONG" not in cell for row in peers + stacked for cell in row)

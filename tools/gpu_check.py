@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import math
@@ -394,6 +395,16 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     from moegen.runtime.routing import route
     from moegen.runtime.step_graphs import capture_graph
     naive_moe, grouped_mm_moe = make_peers(torch, route)
+    # Each implementation as a function of one layer's inputs and experts, for both tables.
+    impls = {
+        "moegen": lambda x, logits, w13, w2: pkg.fused_moe(x, logits, w13, w2, correction_bias=bias),
+        "naive": lambda x, logits, w13, w2: naive_moe(x, logits, w13, w2, p, bias, m.activation),
+        "grouped_mm": lambda x, logits, w13, w2: grouped_mm_moe(x, logits, w13, w2, p, bias, m.activation),
+    }
+
+    def reference(x, logits, w13, w2):
+        return ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
+
     rows = []
 
     def floor_of(t: int, logits) -> Floor:
@@ -410,13 +421,8 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
         row = Row(spec_name, t, floor.us, floor.bound, floor.touched)
         if timer.cuda and row.bound == "memory":
             row.read_us = read_only_us(torch, device, timer, floor.nbytes)
-        expected = (ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
-                    if t <= REFERENCE_MAX_TOKENS else None)
-        calls = {
-            "moegen": lambda: pkg.fused_moe(x, logits, w13, w2, correction_bias=bias),
-            "naive": lambda: naive_moe(x, logits, w13, w2, p, bias, m.activation),
-            "grouped_mm": lambda: grouped_mm_moe(x, logits, w13, w2, p, bias, m.activation),
-        }
+        expected = reference(x, logits, w13, w2) if t <= REFERENCE_MAX_TOKENS else None
+        calls = {name: functools.partial(impl, x, logits, w13, w2) for name, impl in impls.items()}
         for name, fn in calls.items():
             res = Measured()
             row.results[name] = res
@@ -468,16 +474,11 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     if stack_tokens:
         buffers = [bank, *(bank.clone() for _ in range(stack_layers(torch, timer, bank) - 1))]
         # The naive loop synchronizes with the host, so it cannot be captured: not stacked.
-        impls = {"moegen": lambda x, logits, w13, w2: pkg.fused_moe(x, logits, w13, w2, correction_bias=bias),
-                 "grouped_mm": lambda x, logits, w13, w2: grouped_mm_moe(x, logits, w13, w2, p, bias, m.activation)}
-
-        def reference(x, logits, w13, w2):
-            return ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
-
+        stacked = {name: impl for name, impl in impls.items() if name != "naive"}
         for t in stack_tokens:
             layers = [Layer(b, *bank_views(b, e, h, inter), *inputs(t)) for b in buffers]
             try:
-                stack = bench_stack(ctx, spec_name, t, layers, impls, reference, floor_of, tol)
+                stack = bench_stack(ctx, spec_name, t, layers, stacked, reference, floor_of, tol)
             except Exception as exc:  # noqa: BLE001 - the spec's one-call rows still stand
                 traceback.print_exc()
                 problems.append(f"{spec_name} T={t} in a stack of layers: {type(exc).__name__}: {exc}")
@@ -489,8 +490,8 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
             print(f"  {spec_name} T={t} stack of {stack.layers}: " + ", ".join(
                 f"{n} {us:.1f} us" for n, us in stack.us.items()), file=sys.stderr, flush=True)
             del layers
-        del buffers, impls
-    del bank, w13, w2, bias
+        del buffers
+    del bank, w13, w2, bias, impls
     gc.collect()
     if timer.cuda:
         torch.cuda.empty_cache()
@@ -545,7 +546,6 @@ def bench_stack(ctx, spec_name: str, t: int, layers: list[Layer], impls: dict, r
     torch, timer = ctx["torch"], ctx["timer"]
     from moegen import reference as ref
     from moegen.runtime.step_graphs import capture_graph
-    from moegen.tune.bench import streaming_reads
 
     floors = [floor_of(t, layer.logits) for layer in layers]
     stack = Stack(spec_name, t, len(layers), sum(f.us for f in floors) / len(layers))
@@ -565,17 +565,7 @@ def bench_stack(ctx, spec_name: str, t: int, layers: list[Layer], impls: dict, r
         # Whole 128-byte rows, which the TMA reader needs: the bank's slack covers the rounding.
         spans = [layer.bank[:-(-f.nbytes // 128) * 128 // layer.bank.element_size()]
                  for layer, f in zip(layers, floors)]
-        readers = [streaming_reads(span) for span in spans]
-        best = math.inf
-        for kind in range(min(map(len, readers))):
-            def read_all(kind=kind):
-                for per_layer in readers:
-                    per_layer[kind]()
-
-            graph, _ = capture_graph(read_all)
-            best = min(best, timer.median_us(graph.replay))
-            del graph
-        stack.us["read-only"] = best / len(layers)
+        stack.us["read-only"] = fastest_read_us(timer, spans)
     return stack
 
 
@@ -583,19 +573,31 @@ def read_only_us(torch, device, timer: Timer, nbytes: int) -> float:
     """The fastest streaming read (moegen.tune.bench.streaming_reads) of nbytes in one launch, as
     a CUDA-graph replay with L2 evicted first: the launch, ramp-up and drain that any single
     kernel reading those bytes pays."""
-    from moegen.runtime.step_graphs import capture_graph
-    from moegen.tune.bench import streaming_reads
-
     # Contents do not matter; whole 128-byte rows, which the TMA reader needs (at most 126 bytes more).
     src = torch.empty(-(-nbytes // 128) * 64, dtype=torch.bfloat16, device=device)
-    best = math.inf
-    for read in streaming_reads(src):
-        graph, _ = capture_graph(read)
-        best = min(best, timer.median_us(graph.replay))
-        del graph
+    best = fastest_read_us(timer, [src])
     del src
     torch.cuda.empty_cache()
     return best
+
+
+def fastest_read_us(timer: Timer, spans: list) -> float:
+    """Microseconds per span of one graph that reads every span in turn, one launch each, with
+    the fastest of moegen.tune.bench.streaming_reads."""
+    from moegen.runtime.step_graphs import capture_graph
+    from moegen.tune.bench import streaming_reads
+
+    readers = [streaming_reads(span) for span in spans]
+    best = math.inf
+    for kind in range(min(map(len, readers))):
+        def read_all(kind=kind):
+            for per_span in readers:
+                per_span[kind]()
+
+        graph, _ = capture_graph(read_all)
+        best = min(best, timer.median_us(graph.replay))
+        del graph
+    return best / len(spans)
 
 
 # ---------------------------------------------------------------------------------------------
