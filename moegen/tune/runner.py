@@ -322,7 +322,10 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
             if half:
                 step, step_time = search.improve_as_judged(three_kernel, half, samples)
                 tried += len(half)
-                if best == three_kernel or step_time < best_time:
+                # The judged winner may have the slower search time; it replaces the best only where
+                # the confirmation times them again (the GPU), so that a result without one (the
+                # interpreter) is never slower than the default by the search's own times.
+                if step_time < best_time or (best == three_kernel and on_gpu):
                     best, best_time = step, step_time
                 three_kernel, three_kernel_time = step, step_time
                 progress("half blocks")
