@@ -562,8 +562,8 @@ def bench_stack(ctx, spec_name: str, t: int, layers: list[Layer], impls: dict, r
             stack.wrong.add(name)
         del graph, outs
     if timer.cuda and all(f.bound == "memory" for f in floors):
-        # Whole 128-byte rows, which the TMA reader needs: the bank's slack covers the rounding.
-        spans = [layer.bank[:-(-f.nbytes // 128) * 128 // layer.bank.element_size()]
+        # The bank's slack after the experts covers the rounding up to whole rows.
+        spans = [layer.bank[:whole_rows_numel(f.nbytes, layer.bank.element_size())]
                  for layer, f in zip(layers, floors)]
         stack.us["read-only"] = fastest_read_us(timer, spans)
     return stack
@@ -573,12 +573,17 @@ def read_only_us(torch, device, timer: Timer, nbytes: int) -> float:
     """The fastest streaming read (moegen.tune.bench.streaming_reads) of nbytes in one launch, as
     a CUDA-graph replay with L2 evicted first: the launch, ramp-up and drain that any single
     kernel reading those bytes pays."""
-    # Contents do not matter; whole 128-byte rows, which the TMA reader needs (at most 126 bytes more).
-    src = torch.empty(-(-nbytes // 128) * 64, dtype=torch.bfloat16, device=device)
+    src = torch.empty(whole_rows_numel(nbytes, 2), dtype=torch.bfloat16, device=device)  # contents do not matter
     best = fastest_read_us(timer, [src])
     del src
     torch.cuda.empty_cache()
     return best
+
+
+def whole_rows_numel(nbytes: int, element_size: int) -> int:
+    """Elements of the whole 128-byte rows that cover nbytes (at most 126 bytes more): the TMA
+    reader reads whole rows."""
+    return -(-nbytes // 128) * 128 // element_size
 
 
 def fastest_read_us(timer: Timer, spans: list) -> float:
