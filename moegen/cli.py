@@ -6,6 +6,7 @@ import sys
 
 from pathlib import Path
 
+from moegen import knobs
 from moegen.errors import MoegenError
 from moegen.offload.simulate_cli import add_simulate_parser
 from moegen.tune.cache_cli import add_cache_parser
@@ -121,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
+        knobs.check()
         return args.run(args)
     except MoegenError as error:
         print(f"moegen: {error}" if error.exit_code != 2 else str(error), file=sys.stderr)

@@ -24,5 +24,14 @@ class SpecError(MoegenError):
         return f"{where}:{field} {self.problem}; {self.fix}"
 
 
+class SettingError(MoegenError):
+    """A MOEGEN_* environment variable moegen cannot use: NAME='value': what is wrong; how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, name: str, value: str, problem: str, fix: str):
+        super().__init__(f"{name}={value!r}: {problem}; {fix}")
+
+
 class BuildError(MoegenError):
     """The build could not complete; the previous output is untouched."""

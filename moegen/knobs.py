@@ -10,47 +10,89 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional
 
+from moegen.errors import SettingError
+
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _value(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _switch(name: str, meaning: str) -> Optional[bool]:
+    """An on/off variable: None when unset or empty. A value that is neither is an error, not off."""
+    value = _value(name)
+    if not value:
+        return None
+    if value.lower() in _ON + _OFF:
+        return value.lower() in _ON
+    raise SettingError(name, value, "not an on/off value", f"set it to 1 ({meaning}) or 0, or unset it")
+
+
+def _folder(name: str, must_exist: bool) -> Optional[Path]:
+    value = _value(name)
+    if not value:
+        return None
+    path = Path(value)
+    if path.is_dir() or (not must_exist and not path.exists()):
+        return path
+    problem = "is a file, not a folder" if path.exists() else "no such folder"
+    raise SettingError(name, value, problem, "point it at a folder, or unset it")
 
 
 def template_dir() -> Path:
-    """MOEGEN_TEMPLATE_DIR, else the repository's templates/ folder."""
-    return Path(os.environ.get("MOEGEN_TEMPLATE_DIR") or _REPO_ROOT / "templates")
+    """MOEGEN_TEMPLATE_DIR (a copy of templates/, edited), else the repository's templates/ folder."""
+    shipped = _REPO_ROOT / "templates"
+    folder = _folder("MOEGEN_TEMPLATE_DIR", must_exist=True)
+    if folder is None:
+        return shipped
+    missing = sorted({p.name for p in shipped.glob("*.jinja")} - {p.name for p in folder.glob("*.jinja")})
+    if missing:
+        raise SettingError("MOEGEN_TEMPLATE_DIR", str(folder), f"lacks {', '.join(missing)}",
+                           "copy every template of templates/ there, or unset it")
+    return folder
 
 
 def tuned_config_dir() -> Optional[Path]:
-    """MOEGEN_TUNED_CONFIG_DIR: a tuning database consulted before the shipped one."""
-    value = os.environ.get("MOEGEN_TUNED_CONFIG_DIR")
-    return Path(value) if value else None
+    """MOEGEN_TUNED_CONFIG_DIR: a tuning database consulted before the shipped one (created on save)."""
+    return _folder("MOEGEN_TUNED_CONFIG_DIR", must_exist=False)
 
 
 def require_tuned() -> bool:
     """MOEGEN_REQUIRE_TUNED=1: a tuning-database miss is an error instead of a cost-model default."""
-    return _flag("MOEGEN_REQUIRE_TUNED")
+    return bool(_switch("MOEGEN_REQUIRE_TUNED", "a miss is an error"))
 
 
 def precompile() -> Optional[bool]:
     """MOEGEN_PRECOMPILE: 1 forces, 0 skips compiling kernels into the package at build time;
     unset: compile when the build runs on the spec's target GPU."""
-    value = os.environ.get("MOEGEN_PRECOMPILE", "").strip()
-    return None if not value else _flag("MOEGEN_PRECOMPILE")
+    return _switch("MOEGEN_PRECOMPILE", "compile kernels at build time")
 
 
 def route_align_max_tokens() -> Optional[int]:
     """MOEGEN_ROUTE_ALIGN_MAX_TOKENS: batches up to this size are routed and aligned by the
     single-program kernel, larger ones by the multi-program pair. Unset: the shape decides (see
     moegen.runtime.fused.single_route_max_tokens)."""
-    value = os.environ.get("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "").strip()
-    return int(value) if value else None
+    value = _value("MOEGEN_ROUTE_ALIGN_MAX_TOKENS")
+    if not value:
+        return None
+    if value.isdecimal():
+        return int(value)
+    raise SettingError("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", value, "not a token count",
+                       "set it to a whole number of tokens (0: always the multi-program pair), or unset it")
 
 
 def triton_interpret() -> bool:
-    """TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter."""
-    return _flag("TRITON_INTERPRET")
+    """TRITON_INTERPRET=1: kernels run on the CPU through Triton's interpreter (Triton's own
+    variable, which Triton parses: read leniently here)."""
+    return _value("TRITON_INTERPRET").lower() in _ON
+
+
+def check() -> None:
+    """Read every MOEGEN_* variable, so that a bad value stops a command before it does anything."""
+    for read in (template_dir, tuned_config_dir, require_tuned, precompile, route_align_max_tokens):
+        read()
 
 
 @contextlib.contextmanager

@@ -132,6 +132,36 @@ def test_cli_exit_codes_and_no_traceback(argv, code, needle):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("name,value,needle", [
+    ("MOEGEN_PRECOMPILE", "maybe", "not an on/off value"),
+    ("MOEGEN_REQUIRE_TUNED", "sure", "not an on/off value"),
+    ("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "-3", "not a token count"),
+    ("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "eight", "not a token count"),
+    ("MOEGEN_TUNED_CONFIG_DIR", "{tmp}/tiny/manifest.json", "is a file, not a folder"),
+    ("MOEGEN_TEMPLATE_DIR", "{tmp}/absent", "no such folder"),
+    ("MOEGEN_TEMPLATE_DIR", "{tmp}/tiny", "lacks configs.py.jinja"),
+])
+def test_bad_environment_variable_is_a_clear_error_and_changes_nothing(tmp_path, capsys, name, value, needle):
+    from moegen import knobs
+
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 0
+    before = _tree(tmp_path / "tiny")
+    capsys.readouterr()
+    value = value.format(tmp=tmp_path)
+    with knobs.scope(**{name: value}):
+        assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 2
+    assert f"{name}={value!r}: {needle}" in capsys.readouterr().err
+    assert _tree(tmp_path / "tiny") == before
+
+
+def test_bad_environment_variable_read_at_import_gives_no_traceback():
+    env = {**os.environ, "MOEGEN_ROUTE_ALIGN_MAX_TOKENS": "eight"}
+    result = subprocess.run([sys.executable, "-m", "moegen", "validate", str(TINY)], cwd=REPO,
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "MOEGEN_ROUTE_ALIGN_MAX_TOKENS='eight'" in result.stderr
+
+
 COMMANDS = sorted(next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
 
 

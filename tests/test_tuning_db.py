@@ -238,6 +238,14 @@ def test_concurrent_saves_lose_nothing(tmp_path):
 # strict mode
 
 
+def test_tuner_refuses_a_file_as_its_folder_before_benchmarking(tmp_path):
+    not_a_folder = tmp_path / "tuned"
+    not_a_folder.write_text("notes")
+    with pytest.raises(db.TuningInputError, match=f"{not_a_folder}: a file, not a folder"):
+        db.check_writable(not_a_folder, current())
+    assert not_a_folder.read_text() == "notes"
+
+
 @pytest.mark.parametrize("require, saved, outcome", [
     (None, True, "entry"),
     (None, False, "none"),
@@ -401,6 +409,10 @@ def test_cache_list_and_show(tmp_path, two_files, capsys):
     (["import", "{tmp}/input"], b'{"format": "moegen-tuning-bundle", "version": 1, "files": {}}', None, 2),
     (["import", "{tmp}/input"], b'{"format": "moegen-tuning-bundle", "version": 1, "files": {}}', "{tmp}/env", 0),
     (["merge", "{tmp}/absent", "--into", "{tmp}/into"], None, None, 2),
+    # a destination that is a file, by flag or by MOEGEN_TUNED_CONFIG_DIR: left as it is
+    (["import", "{tmp}/input", "--into", "{tmp}/input"],
+     b'{"format": "moegen-tuning-bundle", "version": 1, "files": {}}', None, 2),
+    (["import", "{tmp}/input"], b'{"format": "moegen-tuning-bundle", "version": 1, "files": {}}', "{tmp}/input", 2),
 ])
 def test_cache_cli_exit_codes(tmp_path, capsys, argv, content, env, code):
     if content is not None:
@@ -412,3 +424,5 @@ def test_cache_cli_exit_codes(tmp_path, capsys, argv, content, env, code):
     if code == 2:
         assert str(tmp_path) in out or "--into" in out  # names the file (or the missing flag)
     assert not (tmp_path / "into").exists()  # bad input writes nothing
+    if content is not None:
+        assert (tmp_path / "input").read_bytes() == content

@@ -14,11 +14,10 @@ from moegen import knobs
 from moegen.runtime.align import Alignment, align_tokens, aligned_rows, expected_blocks, max_padded_slots
 from moegen.runtime.routing import RoutingParams
 
-# Where set, batches up to this size are routed and aligned by the single-program kernel (one
-# launch), larger ones by the multi-program pair (two launches after one fill, but parallel).
-ROUTE_ALIGN_MAX_TOKENS = knobs.route_align_max_tokens()
-# Otherwise the single program takes batches of up to 8 tokens and 1024 router scores (tokens x
-# experts): its serial loops grow with both. Measured on the H200 (graph replays, same configs):
+# MOEGEN_ROUTE_ALIGN_MAX_TOKENS, where set, decides which batches the single-program kernel routes
+# and aligns (one launch) and which the multi-program pair (two launches after one fill, but
+# parallel). Otherwise the single program takes batches of up to 8 tokens and 1024 router scores
+# (tokens x experts): its serial loops grow with both. Measured on the H200 (graph replays, same configs):
 # 128 experts, the pair faster from 16 tokens; 256 experts (DeepSeek-V3), level at 4 tokens, the
 # pair 2.6% faster at 8; 8 experts, the single program 0.9% faster at 4.
 _SINGLE_ROUTE_MAX_TOKENS = 8
@@ -159,8 +158,9 @@ def pow2_at_least(x: float) -> int:
 
 def single_route_max_tokens(num_experts: int) -> int:
     """The largest batch the single-program routing kernel takes."""
-    if ROUTE_ALIGN_MAX_TOKENS is not None:
-        return ROUTE_ALIGN_MAX_TOKENS
+    override = knobs.route_align_max_tokens()  # read per call: a bad value is an error then, not at import
+    if override is not None:
+        return override
     return min(_SINGLE_ROUTE_MAX_TOKENS, _SINGLE_ROUTE_MAX_SCORES // num_experts)
 
 

@@ -158,6 +158,8 @@ def _destination(args) -> Path:
     into = Path(args.into) if args.into else knobs.tuned_config_dir()
     if into is None:
         raise TuningInputError("no destination: pass --into DIR or set MOEGEN_TUNED_CONFIG_DIR")
+    if into.exists() and not into.is_dir():
+        raise TuningInputError(f"--into {into}: a file, not a folder; pass a folder (created if missing)")
     return into
 
 

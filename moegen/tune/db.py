@@ -376,6 +376,8 @@ def _refuse_other_inputs(path: Path, disk: DbMetadata, new: DbMetadata) -> None:
 def check_writable(directory: Path, metadata: DbMetadata) -> None:
     """Raise IncompatibleDbError now where save() would later refuse: a tuner checks this before it
     benchmarks anything. A corrupt file is no obstacle (save moves it aside)."""
+    if directory.exists() and not directory.is_dir():
+        raise TuningInputError(f"{directory}: a file, not a folder; save into a folder (--save-dir DIR)")
     path = _file_for(directory, metadata)
     try:
         disk = load_file(path) if path.exists() else None
