@@ -30,9 +30,21 @@ def _buckets(text: str | None):
     if text is None:
         return None
     try:
-        return [int(t) for t in text.split(",")]
+        counts = [int(t) for t in text.split(",")]
     except ValueError:
-        raise UsageError(f"--buckets {text!r}: expected comma-separated token counts, e.g. 1,8,64") from None
+        counts = []
+    if not counts or min(counts) < 1:
+        raise UsageError(f"--buckets {text!r}: expected comma-separated token counts of at least 1, e.g. 1,8,64")
+    return counts
+
+
+def _output_folder(text: str) -> Path:
+    """-o: a folder, created if missing; checked before a tune or build spends any time."""
+    path = Path(text)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"-o {text}: {existing} is a file, not a folder; pass a folder (created if missing)")
+    return path
 
 
 def _cmd_tune(args) -> int:
@@ -64,6 +76,7 @@ def _cmd_plan(args) -> int:
 def _cmd_build(args) -> int:
     from moegen.package import build
 
+    output = _output_folder(args.output)
     if args.tune:
         from moegen.ir import lower
         from moegen.spec import load_spec
@@ -76,7 +89,7 @@ def _cmd_build(args) -> int:
             raise UsageError(f"{args.spec}: --tune measures this machine's GPU ({here.name if here else 'none'}) "
                              f"but the spec targets {target.name}; tune on a {target.name} or change target.gpu")
         tune(args.spec, save_dir=args.save_dir)
-    folder, changed = build(args.spec, args.output)
+    folder, changed = build(args.spec, output)
     print(f"{folder}: {'built' if changed else 'up to date'}")
     return 0
 

@@ -124,6 +124,8 @@ def test_generated_package_imports_from_its_parent_folder(tmp_path):
     (["validate", str(TINY)], 0, "ok"),
     (["validate", "does/not/exist.yaml"], 2, "does/not/exist.yaml"),
     (["build", "does/not/exist.yaml"], 2, "does/not/exist.yaml"),
+    (["build", str(TINY), "-o", "README.md/generated"], 2, "README.md is a file, not a folder"),
+    (["tune", str(TINY), "--buckets", "8,0"], 2, "--buckets '8,0'"),
 ])
 def test_cli_exit_codes_and_no_traceback(argv, code, needle):
     result = subprocess.run([sys.executable, "-m", "moegen", *argv], cwd=REPO, capture_output=True, text=True)

@@ -507,3 +507,31 @@ def test_layer_rejects_incomplete_checkpoint(package_factory):
     layer = package_factory(**BASE).MoELayer(device=DEVICE)
     with pytest.raises(KeyError, match="experts"):
         layer.load_hf_state_dict({"gate.weight": torch.zeros(6, 40)})
+
+
+
+BAD_INPUTS = [  # (case, the argument changed, how, the message expected); BASE's shapes, 3 tokens
+    ("hidden_states_1d", "x", lambda t: t[0], r"hidden_states: expected shape \[T, 40\], got \[40\]"),
+    ("hidden_size", "x", lambda t: t[:, :-1], r"hidden_states: expected shape \[3, 40\], got \[3, 39\]"),
+    ("hidden_dtype", "x", lambda t: t.half(), r"hidden_states: expected dtype torch.float32, got torch.float16"),
+    ("w13_one_half", "w13", lambda t: t[:, :24], r"w13: expected shape \[6, 48, 40\], got \[6, 24, 40\]"),
+    ("w2_transposed", "w2", lambda t: t.transpose(1, 2), r"w2: expected shape \[6, 40, 24\], got \[6, 24, 40\]"),
+    ("logits_experts", "logits", lambda t: t[:, :-1], r"router_logits: expected shape \[3, 6\], got \[3, 5\]"),
+    ("ids_top_k", "ids", lambda t: t[:, :1], r"topk_ids: expected shape \[3, 2\], got \[3, 1\]"),
+    ("weights_tokens", "weights", lambda t: t[:2], r"topk_weights: expected shape \[3, 2\], got \[2, 2\]"),
+]
+
+
+@pytest.mark.parametrize("case,argument,change,message", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_inputs_are_named_before_any_launch(case, argument, change, message, package_factory):
+    """A wrong shape or dtype names the argument, what it should be and what it is."""
+    pkg = package_factory(**BASE)
+    e, h, i, k = BASE["num_experts"], BASE["hidden_size"], BASE["intermediate_size"], BASE["top_k"]
+    args = dict(x=torch.randn(3, h), logits=torch.randn(3, e), weights=torch.rand(3, k),
+                ids=torch.randint(0, e, (3, k)), w13=torch.randn(e, 2 * i, h), w2=torch.randn(e, h, i))
+    args[argument] = change(args[argument])
+    with pytest.raises(ValueError, match=message):
+        if argument in ("ids", "weights"):
+            pkg.fused_experts(args["x"], args["weights"], args["ids"], args["w13"], args["w2"])
+        else:
+            pkg.fused_moe(args["x"], args["logits"], args["w13"], args["w2"])

@@ -190,7 +190,8 @@ def multi_route_launch(ks: KernelSet) -> tuple[dict, dict]:
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype], device):
     if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(tensor.shape)}")
+        expected = ", ".join(map(str, shape))  # a dimension named "T" where the batch is unknown
+        raise ValueError(f"{name}: expected shape [{expected}], got {list(tensor.shape)}")
     if dtype is not None and tensor.dtype != dtype:
         raise ValueError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
     if tensor.device != device:
@@ -202,7 +203,8 @@ def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[i
     h, i = ks.hidden_size, ks.intermediate_size
     e = ks.num_experts if num_experts is None else num_experts
     device = hidden_states.device
-    _check("hidden_states", hidden_states, (hidden_states.shape[0], h), ks.dtype, device)
+    tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else "T"
+    _check("hidden_states", hidden_states, (tokens, h), ks.dtype, device)
     _check(names[0], w13, (e, 2 * i, h), ks.dtype, device)
     _check(names[1], w2, (e, h, i), ks.dtype, device)
     if device.type != "cuda" and not knobs.triton_interpret():
