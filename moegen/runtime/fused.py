@@ -17,9 +17,9 @@ from moegen.runtime.routing import RoutingParams
 # MOEGEN_ROUTE_ALIGN_MAX_TOKENS, where set, decides which batches the single-program kernel routes
 # and aligns (one launch) and which the multi-program pair (two launches after one fill, but
 # parallel). Otherwise the single program takes batches of up to 8 tokens and 1024 router scores
-# (tokens x experts): its serial loops grow with both. Measured on the H200 (graph replays, same configs):
-# 128 experts, the pair faster from 16 tokens; 256 experts (DeepSeek-V3), level at 4 tokens, the
-# pair 2.6% faster at 8; 8 experts, the single program 0.9% faster at 4.
+# (tokens x experts): its serial loops grow with both. Measured on the H200 (graph replays, same
+# configs): 128 experts, the pair faster from 16 tokens; 256 experts (DeepSeek-V3), level at 4
+# tokens, the pair 2.6% faster at 8; 8 experts, the single program 0.9% faster at 4.
 _SINGLE_ROUTE_MAX_TOKENS = 8
 _SINGLE_ROUTE_MAX_SCORES = 1024
 # Elements of the [rows, experts] one-hot tiles one routing program holds at a time: smaller
