@@ -503,10 +503,36 @@ def test_layer_loads_mixtral_and_deepseek_checkpoints(package_factory):
         assert ref.relative_error(out.reshape(-1, h), expected) <= 1e-4
 
 
-def test_layer_rejects_incomplete_checkpoint(package_factory):
+def _mixtral_checkpoint(model: dict) -> dict:
+    e, h, i = model["num_experts"], model["hidden_size"], model["intermediate_size"]
+    sd = {"gate.weight": torch.randn(e, h)}
+    for x in range(e):
+        sd |= {f"experts.{x}.w1.weight": torch.randn(i, h), f"experts.{x}.w3.weight": torch.randn(i, h),
+               f"experts.{x}.w2.weight": torch.randn(h, i)}
+    return sd
+
+
+BAD_CHECKPOINTS = [  # (case, how BASE's checkpoint is spoiled, the error expected)
+    ("no_experts", lambda sd: {"gate.weight": sd["gate.weight"]}, (KeyError, "experts.0.w1.weight nor")),
+    ("one_expert_missing", lambda sd: {k: v for k, v in sd.items() if not k.startswith("experts.5.")},
+     (KeyError, r"no 'experts.5.w1.weight' \(prefix ''\) and 2 more")),
+    ("down_transposed", lambda sd: sd | {"experts.3.w2.weight": sd["experts.3.w2.weight"].T},
+     (ValueError, r"experts.3.w2.weight: expected shape \[40, 24\], got \[24, 40\]")),
+    ("gate_broadcastable", lambda sd: sd | {"gate.weight": sd["gate.weight"][:1]},
+     (ValueError, r"gate.weight: expected shape \[6, 40\], got \[1, 40\]")),
+    ("extra_key", lambda sd: sd | {"experts.6.w1.weight": sd["experts.0.w1.weight"]},
+     (KeyError, r"does not use: \['experts.6.w1.weight'\]")),
+]
+
+
+@pytest.mark.parametrize("case,spoil,error", BAD_CHECKPOINTS, ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_layer_rejects_a_checkpoint_that_does_not_fit_and_keeps_its_weights(case, spoil, error, package_factory):
     layer = package_factory(**BASE).MoELayer(device=DEVICE)
-    with pytest.raises(KeyError, match="experts"):
-        layer.load_hf_state_dict({"gate.weight": torch.zeros(6, 40)})
+    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    with pytest.raises(error[0], match=error[1]):
+        layer.load_hf_state_dict(spoil(_mixtral_checkpoint(BASE)))
+    assert all(torch.equal(p, before[name]) for name, p in layer.named_parameters())
+    layer.load_hf_state_dict(_mixtral_checkpoint(BASE))  # the unspoiled checkpoint loads
 
 
 

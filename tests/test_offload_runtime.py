@@ -90,6 +90,18 @@ def test_router_prefetch_brings_experts_in_before_their_layer(package_factory):
     assert stats.bytes_moved == (stats.demand_loads + stats.prefetch_loads) * plan.expert_bytes
 
 
+@pytest.mark.parametrize("layer,name,spoil,message", [
+    (1, "w13", lambda t: t[:, :24], r"w13 of layer 1: expected \[6, 48, 40\] torch.float32, got \[6, 24, 40\]"),
+    (2, "w2", lambda t: t.double(), r"w2 of layer 2: expected \[6, 40, 24\] torch.float32, got .* torch.float64"),
+])
+def test_runtime_rejects_host_experts_that_do_not_fit(package_factory, layer, name, spoil, message):
+    pkg, plan, _, layers = _setup(package_factory, 3)
+    w13, w2 = layers[layer]
+    layers[layer] = (spoil(w13), w2) if name == "w13" else (w13, spoil(w2))
+    with pytest.raises(ValueError, match=message):
+        OffloadedMoE(pkg.KERNELS, plan, HostExperts.from_tensors(layers), engine_for_plan(plan), device=DEVICE)
+
+
 def test_host_experts_from_safetensors(tmp_path):
     from safetensors.torch import save_file
 
@@ -111,3 +123,7 @@ def test_host_experts_from_safetensors(tmp_path):
         assert torch.equal(host.w13[layer], w13) and torch.equal(host.w2[layer], w2)
     with pytest.raises(KeyError, match="not found"):
         HostExperts.from_safetensors([tmp_path / "a.safetensors"], 2, 3, 5, 4, torch.float32)
+    key = MIXTRAL_KEY.format(layer=1, expert=2, proj="w2")
+    save_file({**tensors, key: tensors[key][:1]}, str(tmp_path / "broadcastable.safetensors"))
+    with pytest.raises(ValueError, match=rf"{key}: expected shape \[5, 4\], got \[1, 4\]"):
+        HostExperts.from_safetensors([tmp_path / "broadcastable.safetensors"], 2, 3, 5, 4, torch.float32)

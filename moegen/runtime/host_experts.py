@@ -79,7 +79,11 @@ class HostExperts:
                 for key in f.keys():
                     if key in wanted:
                         target, index, e, rows = wanted.pop(key)
-                        getattr(host, target)[index][e, rows].copy_(f.get_tensor(key))
+                        dest, shape = getattr(host, target)[index][e, rows], f.get_slice(key).get_shape()
+                        if tuple(shape) != tuple(dest.shape):  # copy_ would broadcast a [1, H] row
+                            raise ValueError(f"{path}: {key}: expected shape {list(dest.shape)}, got {list(shape)}; "
+                                             f"the checkpoint does not fit hidden {hidden}, intermediate {inter}")
+                        dest.copy_(f.get_tensor(key))
         if wanted:
             missing = sorted(wanted)[:3]
             raise KeyError(f"{len(wanted)} expert tensors not found in the checkpoint, e.g. {missing}")

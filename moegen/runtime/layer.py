@@ -68,35 +68,44 @@ class MoELayerBase(torch.nn.Module):
     def load_hf_state_dict(self, state_dict: dict, prefix: str = "") -> None:
         """Load a Hugging Face MoE block: `gate.weight`, `experts.{e}.w1/w3/w2.weight` (Mixtral)
         or `experts.{e}.gate_proj/up_proj/down_proj.weight`, optional
-        `gate.e_score_correction_bias` and `shared_experts.gate_proj/up_proj/down_proj.weight`."""
+        `gate.e_score_correction_bias` and `shared_experts.gate_proj/up_proj/down_proj.weight`.
+        Every tensor is checked (present, exact shape: no broadcasting) before any is copied, so a
+        checkpoint that does not fit leaves the layer as it was."""
+        targets = {prefix + name: dest for name, dest in self._hf_targets(state_dict, prefix)}
+        missing = [key for key in targets if key not in state_dict]
+        if missing:
+            raise KeyError(f"state dict has no {missing[0]!r} (prefix {prefix!r})"
+                           f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
         m = self.spec.model
-        used = set()
+        for key, dest in targets.items():
+            if tuple(state_dict[key].shape) != tuple(dest.shape):
+                raise ValueError(f"{key}: expected shape {list(dest.shape)}, got {list(state_dict[key].shape)}; "
+                                 f"the checkpoint does not fit {self.spec.name} (hidden_size {m.hidden_size}, "
+                                 f"intermediate_size {m.intermediate_size}, num_experts {m.num_experts})")
+        unused = sorted(k for k in state_dict if k.startswith(prefix) and k not in targets)
+        if unused:
+            raise KeyError(f"state dict keys this layer does not use: {unused[:5]}"
+                           f"{' ...' if len(unused) > 5 else ''}")
+        for key, dest in targets.items():
+            dest.copy_(state_dict[key])
 
-        def take(name: str) -> torch.Tensor:
-            key = prefix + name
-            if key not in state_dict:
-                raise KeyError(f"state dict has no {key!r} (prefix {prefix!r})")
-            used.add(key)
-            return state_dict[key]
-
-        self.gate.weight.copy_(take("gate.weight"))
+    def _hf_targets(self, state_dict: dict, prefix: str) -> list[tuple[str, torch.Tensor]]:
+        """(checkpoint name without the prefix, the part of a parameter it fills), in load order."""
         names = next((n for n in PROJECTION_NAMES.values() if prefix + f"experts.0.{n[0]}.weight" in state_dict), None)
         if names is None:
             raise KeyError(f"state dict has no {prefix}experts.0.w1.weight nor {prefix}experts.0.gate_proj.weight")
         gate_name, up_name, down_name = names
-        inter = m.intermediate_size
-        for e in range(m.num_experts):
-            self.w13[e, :inter].copy_(take(f"experts.{e}.{gate_name}.weight"))
-            self.w13[e, inter:].copy_(take(f"experts.{e}.{up_name}.weight"))
-            self.w2[e].copy_(take(f"experts.{e}.{down_name}.weight"))
+        inter = self.spec.model.intermediate_size
+        targets = [("gate.weight", self.gate.weight)]
+        for e in range(self.spec.model.num_experts):
+            targets += [(f"experts.{e}.{gate_name}.weight", self.w13[e, :inter]),
+                        (f"experts.{e}.{up_name}.weight", self.w13[e, inter:]),
+                        (f"experts.{e}.{down_name}.weight", self.w2[e])]
         if self.correction_bias is not None:
-            self.correction_bias.copy_(take("gate.e_score_correction_bias"))
+            targets.append(("gate.e_score_correction_bias", self.correction_bias))
         if self.shared_w13 is not None:
             shared = self.shared_w2.shape[1]
-            self.shared_w13[:shared].copy_(take("shared_experts.gate_proj.weight"))
-            self.shared_w13[shared:].copy_(take("shared_experts.up_proj.weight"))
-            self.shared_w2.copy_(take("shared_experts.down_proj.weight"))
-        unused = sorted(k for k in state_dict if k.startswith(prefix) and k not in used)
-        if unused:
-            raise KeyError(f"state dict keys this layer does not use: {unused[:5]}"
-                           f"{' ...' if len(unused) > 5 else ''}")
+            targets += [("shared_experts.gate_proj.weight", self.shared_w13[:shared]),
+                        ("shared_experts.up_proj.weight", self.shared_w13[shared:]),
+                        ("shared_experts.down_proj.weight", self.shared_w2)]
+        return targets

@@ -80,6 +80,12 @@ class OffloadedMoE:
                  engine: OffloadPolicyEngine, device="cuda"):
         if host.num_layers != plan.num_layers:
             raise ValueError(f"host experts have {host.num_layers} layers, the plan {plan.num_layers}")
+        e, h, i = kernels.num_experts, kernels.hidden_size, kernels.intermediate_size
+        for layer, (w13, w2) in enumerate(zip(host.w13, host.w2)):
+            for name, tensor, shape in (("w13", w13, (e, 2 * i, h)), ("w2", w2, (e, h, i))):
+                if tuple(tensor.shape) != shape or tensor.dtype != kernels.dtype:
+                    raise ValueError(f"host experts' {name} of layer {layer}: expected {list(shape)} {kernels.dtype}, "
+                                     f"got {list(tensor.shape)} {tensor.dtype}")
         self.kernels, self.plan, self.host, self.engine = kernels, plan, host, engine
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
