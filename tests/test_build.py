@@ -242,10 +242,11 @@ def test_precompiled_launches_match_the_runtimes(package_factory, tma):
                                                                      **(capped if i == last else {}))
                                                  for i, c in enumerate(ks.configs)))
     assert ks.buckets[1] <= fused.single_route_max_tokens(ks.num_experts) < ks.buckets[2]  # both routing paths too
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for tokens in ks.buckets:
-        x = torch.randn(tokens, 40)
-        fused.fused_moe(recorded, x, separated_router_logits(tokens, ks.routing), torch.randn(6, 48, 40),
-                        torch.randn(6, 40, 24))
+        inputs = (torch.randn(tokens, 40), separated_router_logits(tokens, ks.routing), torch.randn(6, 48, 40),
+                  torch.randn(6, 40, 24))
+        fused.fused_moe(recorded, *(t.to(device) for t in inputs))
     compile_buckets(recorded)
     token_dependent = 1 << 20
 
