@@ -535,7 +535,6 @@ def test_layer_rejects_a_checkpoint_that_does_not_fit_and_keeps_its_weights(case
     layer.load_hf_state_dict(_mixtral_checkpoint(BASE))  # the unspoiled checkpoint loads
 
 
-
 BAD_INPUTS = [  # (case, the argument changed, how, the message expected); BASE's shapes, 3 tokens
     ("hidden_states_1d", "x", lambda t: t[0], r"hidden_states: expected shape \[T, 40\], got \[40\]"),
     ("hidden_size", "x", lambda t: t[:, :-1], r"hidden_states: expected shape \[3, 40\], got \[3, 39\]"),

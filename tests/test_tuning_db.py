@@ -234,16 +234,16 @@ def test_concurrent_saves_lose_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # no temp files left
 
 
-# ---------------------------------------------------------------------------------------------
-# strict mode
-
-
 def test_tuner_refuses_a_file_as_its_folder_before_benchmarking(tmp_path):
     not_a_folder = tmp_path / "tuned"
     not_a_folder.write_text("notes")
     with pytest.raises(db.TuningInputError, match=f"{not_a_folder}: a file, not a folder"):
         db.check_writable(not_a_folder, current())
     assert not_a_folder.read_text() == "notes"
+
+
+# ---------------------------------------------------------------------------------------------
+# strict mode
 
 
 @pytest.mark.parametrize("require, saved, outcome", [
