@@ -356,7 +356,7 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, tails_first, packa
     padded total exact."""
     from moegen.runtime import fused
 
-    monkeypatch.setenv("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", str(1 << 20 if path == "single_program" else 0))
+    monkeypatch.setattr(fused, "_route_align_override", lambda: 1 << 20 if path == "single_program" else 0)
     pkg = package_factory(**case.model)
     ks = pkg.KERNELS
     generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 1)
@@ -375,13 +375,15 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, tails_first, packa
 
 @pytest.mark.parametrize("experts,knob,expected", [(8, None, 8), (128, None, 8), (256, None, 4), (2048, None, 0),
                                                     (256, 16, 16), (8, 0, 0)])
-def test_single_program_routing_threshold(experts, knob, expected):
+def test_single_program_routing_threshold(experts, knob, expected, monkeypatch):
     """The single routing program takes up to 8 tokens and 1024 router scores; the knob overrides."""
     from moegen import knobs
     from moegen.runtime import fused
 
     with knobs.scope(MOEGEN_ROUTE_ALIGN_MAX_TOKENS=None if knob is None else str(knob)):
-        assert fused.single_route_max_tokens(experts) == expected
+        override = knobs.route_align_max_tokens()
+    monkeypatch.setattr(fused, "_route_align_override", lambda: override)
+    assert fused.single_route_max_tokens(experts) == expected
 
 
 @pytest.mark.parametrize("group_m", [1, 4])

@@ -156,9 +156,16 @@ def pow2_at_least(x: float) -> int:
     return p
 
 
+@functools.cache
+def _route_align_override() -> Optional[int]:
+    """MOEGEN_ROUTE_ALIGN_MAX_TOKENS, read at the first call: not at import, where a bad value would
+    fail every importer (the CLI too), and not at every call, which is on the host's hot path."""
+    return knobs.route_align_max_tokens()
+
+
 def single_route_max_tokens(num_experts: int) -> int:
     """The largest batch the single-program routing kernel takes."""
-    override = knobs.route_align_max_tokens()  # read per call: a bad value is an error then, not at import
+    override = _route_align_override()
     if override is not None:
         return override
     return min(_SINGLE_ROUTE_MAX_TOKENS, _SINGLE_ROUTE_MAX_SCORES // num_experts)
