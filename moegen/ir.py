@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moegen.runtime.routing import RoutingParams
-from moegen.spec.schema import Spec
+from moegen.spec.schema import DTYPE_BYTES, Spec
 from moegen.target import GpuTarget, resolve_target
 
 
@@ -35,7 +35,7 @@ class KernelSignature:
 
     @property
     def element_bytes(self) -> int:
-        return {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
+        return DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,17 @@ def test_prefetch_lookahead_hides_a_transfer_behind_compute(tmp_path):
 
 def test_too_small_a_budget_is_a_spec_error(tmp_path):
     with pytest.raises(SpecError, match="expert_memory_gib") as error:
-        plan_offload(_ir(tmp_path, **{"expert_memory_gib: 100": "expert_memory_gib: 10"}))
+        _ir(tmp_path, **{"expert_memory_gib: 100": "expert_memory_gib: 10"})
+    assert str(error.value).startswith(str(tmp_path / "deepseek-v3.yaml:"))
     assert "raise target.expert_memory_gib to at least" in str(error.value)
+
+
+def test_a_trace_deeper_than_the_budget_holds_names_the_spec_file(tmp_path):
+    ir = _ir(tmp_path)  # 100 GiB: 1218 slots of 84 MiB
+    deeper = replace(ir, spec=replace(ir.spec, model=replace(ir.spec.model, num_layers=400)))
+    with pytest.raises(SpecError, match="400 layers x top-8 need 3200") as error:
+        plan_offload(deeper)
+    assert str(error.value).startswith("deepseek-v3.yaml: target.expert_memory_gib:")
 
 
 def test_plan_cli_prints_json(tmp_path):

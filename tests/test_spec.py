@@ -110,6 +110,7 @@ CASES = [
     Case("zero_bucket", BASE + "workload:\n  token_buckets: [0, 1]\n", "workload.token_buckets[0]", "at least 1"),
     Case("zero_scaling", with_model("routed_scaling_factor: 0"), "model.routed_scaling_factor", "greater than 0", 7),
     Case("zero_expert_memory", BASE + "target:\n  expert_memory_gib: 0\n", "target.expert_memory_gib", "greater than 0", 8),
+    Case("expert_memory_below_top_k", BASE + "target:\n  expert_memory_gib: 0.00001\n", "target.expert_memory_gib", "holds 0 experts", 8),
     Case("expert_memory_over_gpu", BASE + "target:\n  gpu: l4\n  expert_memory_gib: 40\n", "target.expert_memory_gib", "more than the l4's"),
     Case("negative_override", BASE + "target:\n  hbm_gbps: -1\n", "target.hbm_gbps", "greater than 0"),
     # token buckets

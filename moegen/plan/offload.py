@@ -16,6 +16,7 @@ import sympy
 from moegen.errors import SpecError
 from moegen.ir import ModelIR
 from moegen.plan.cost_model import B, E, H, I, K, matrix_tflops
+from moegen.spec.loader import expert_memory_shortfall
 from moegen.target import expert_memory_gib
 
 HBM, LINK, RATE = sympy.symbols("HBM_GBps LINK_GBps RATE_TFLOPs", positive=True)
@@ -94,12 +95,9 @@ def plan_offload(ir: ModelIR, popularity: Optional[Sequence[Sequence[float]]] = 
         return OffloadPlan(False, layers, experts, k, expert_bytes, budget, (experts,) * layers,
                            ((),) * layers, spec.offload.policy, spec.offload.prefetch, 0, compute_us,
                            transfer_us, 1.0, 0.0, 0.0, "all resident")
-    if total_slots < layers * k:
-        need = layers * k * expert_bytes / 2**30
-        raise SpecError(spec.name, "target.expert_memory_gib",
-                        f"{expert_memory_gib(spec):g} GiB holds {total_slots} experts of "
-                        f"{expert_bytes / 2**20:.1f} MiB, but {layers} layers x top-{k} need {layers * k}",
-                        f"raise target.expert_memory_gib to at least {math.ceil(need)}")
+    shortfall = expert_memory_shortfall(spec)  # the loader's rule, again for a trace's layer count
+    if shortfall is not None:
+        raise SpecError(ir.spec_file, *shortfall)
     if popularity is not None and (len(popularity) != layers or any(len(row) != experts for row in popularity)):
         raise ValueError(f"popularity must be {layers} layers x {experts} experts")
     slots = _allocate(total_slots, layers, k, experts, popularity)

@@ -500,6 +500,17 @@ def _expert_memory_fits(spec: Spec):
                 f"use at most {gpu.memory_gib:g} (or null for 90%: {0.9 * gpu.memory_gib:.1f})")
 
 
+def expert_memory_shortfall(spec: Spec):
+    """Offloading needs a slot for each of a token's top_k experts in every layer."""
+    m, budget = spec.model, gpus.expert_memory_gib(spec)
+    slots, need = int(budget * 2**30) // m.expert_bytes, m.num_layers * m.top_k
+    if slots < need:
+        return ("target.expert_memory_gib",
+                f"{budget:g} GiB holds {slots} experts of {m.expert_bytes / 2**20:.1f} MiB, but "
+                f"{m.num_layers} layers x top-{m.top_k} need {need}",
+                f"raise target.expert_memory_gib to at least {math.ceil(need * m.expert_bytes / 2**30)}")
+
+
 _CROSS_RULES = (
     _top_k_fits,
     _groups_divide_experts,
@@ -508,4 +519,5 @@ _CROSS_RULES = (
     _bias_groups_have_two,
     _shared_experts_sized,
     _expert_memory_fits,
+    expert_memory_shortfall,
 )

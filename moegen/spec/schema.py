@@ -11,7 +11,8 @@ from typing import Optional
 
 ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES = tuple(DTYPE_BYTES)
 OFFLOAD_POLICIES = ("lru", "lfu", "pinned_lru", "decayed_lfu", "neighbor_lfu")
 PREFETCH_MODES = ("none", "router", "history", "xlayer", "neighbors")
 DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -34,6 +35,11 @@ class ModelSpec:
     num_shared_experts: int = 0
     shared_intermediate_size: int = 0
     dtype: str = "bfloat16"
+
+    @property
+    def expert_bytes(self) -> int:
+        """One routed expert's weights: gate, up and down projections."""
+        return 3 * self.hidden_size * self.intermediate_size * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
