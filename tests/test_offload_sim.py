@@ -209,9 +209,10 @@ def test_bad_trace_is_reported_with_file_line_and_fix(tmp_path, case):
         assert word in message, (word, message)
 
 
-def test_missing_trace_file(tmp_path):
-    with pytest.raises(TraceError, match="no such file"):
-        load_trace(tmp_path / "absent.jsonl.gz")
+@pytest.mark.parametrize("name, problem", [("absent.jsonl.gz", "no such file"), (".", "a folder, not a file")])
+def test_trace_path_that_is_no_file(tmp_path, name, problem):
+    with pytest.raises(TraceError, match=problem):
+        load_trace(tmp_path / name)
 
 
 # ---------------------------------------------------------------------------------------------

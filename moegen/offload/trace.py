@@ -66,6 +66,8 @@ def load_trace(path) -> Trace:
             lines = handle.read().splitlines()
     except FileNotFoundError:
         raise TraceError(path, 0, "no such file", "pass the path of a moegen-trace .jsonl.gz file") from None
+    except IsADirectoryError:
+        raise TraceError(path, 0, "a folder, not a file", "pass the path of a moegen-trace .jsonl.gz file") from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as error:
         raise TraceError(path, 0, f"not a complete gzip file ({error})",
                          "a trace is gzip'd JSON Lines: compress it with `gzip FILE.jsonl`") from None
