@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from pathlib import Path
 
@@ -132,11 +133,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line naming moegen, not Python's source excerpt."""
+    print(f"moegen: warning: {str(message).removeprefix('moegen: ')}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        knobs.check()
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            knobs.check()
+            return args.run(args)
     except MoegenError as error:
         print(f"moegen: {error}" if error.exit_code != 2 else str(error), file=sys.stderr)
         return error.exit_code

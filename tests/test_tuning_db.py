@@ -183,6 +183,11 @@ CORRUPT = {
         "config": {**asdict(CONFIG), "block_q": 1}, "time_us": 1.0}}}).encode(),
     "bad_time": json.dumps({"metadata": {}, "buckets": {"1": {"config": asdict(CONFIG), "time_us": "fast"}}}).encode(),
 }
+# Well-typed configs no kernel can launch (a hand edit, another tool's file).
+for _field, _value in [("block_m", 0), ("block_n", 48), ("num_warps", 3), ("down_num_warps", 0),
+                       ("num_stages", 0), ("split_k", -2), ("down_max_registers", 300)]:
+    CORRUPT[f"{_field}_{_value}"] = json.dumps({"metadata": {}, "buckets": {"1": {
+        "config": {**asdict(CONFIG), _field: _value}, "time_us": 1.0}}}).encode()
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPT))
@@ -208,6 +213,21 @@ def test_save_moves_corrupt_file_aside(tmp_path, name):
         db.save(tmp_path, current(), {1: result(3.0)}, {})
     assert path.with_name(path.name + ".corrupt").read_bytes() == CORRUPT[name]
     assert db.TuningDb([tmp_path]).lookup(DEVICE, SIG, 1, TEMPLATES).time_us == 3.0
+
+
+def test_build_reports_an_ignored_file_in_one_line(tmp_path, capsys):
+    from moegen import cli as moegen_cli
+
+    spec = Path(__file__).resolve().parent.parent / "specs" / "tiny.yaml"
+    signature = KernelSignature(hidden_size=40, intermediate_size=24, num_experts=6, top_k=2, activation="silu",
+                                dtype="float32")
+    (tmp_path / "db").mkdir()
+    (tmp_path / "db" / db.db_file_name(DEVICE, signature)).write_bytes(CORRUPT["block_m_0"])
+    with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "db"), MOEGEN_PRECOMPILE="0"):
+        assert moegen_cli.main(["build", str(spec), "-o", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moegen: warning: ignored {tmp_path / 'db'}"), err
+    assert "block_m 0 is not a power of two" in err[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +373,18 @@ def test_export_to_stdout_and_merge_dir(tmp_path, two_files, capsys):
         assert (tmp_path / "env" / path.name).read_bytes() == path.read_bytes()
 
 
+def test_import_of_a_file_without_failures(tmp_path, two_files):
+    """`failures` is optional in a tuning file, so in a bundle too."""
+    bundle = tmp_path / "bundle.json"
+    cli("export", "--dir", str(two_files), "-o", str(bundle))
+    data = json.loads(bundle.read_text())
+    for content in data["files"].values():
+        del content["failures"]
+    bundle.write_text(json.dumps(data))
+    assert cli("import", str(bundle), "--into", str(tmp_path / "into")) == 0
+    assert db.TuningDb([tmp_path / "into"]).lookup(DEVICE, SIG, 64, TEMPLATES).time_us == 30.0
+
+
 def test_import_skips_mismatching_file_and_imports_the_rest(tmp_path, two_files, capsys):
     bundle = tmp_path / "bundle.json"
     cli("export", "--dir", str(two_files), "-o", str(bundle))
@@ -397,6 +429,8 @@ def test_cache_list_and_show(tmp_path, two_files, capsys):
     (["show", "{tmp}/absent.json"], None, None, 2),
     (["show", "{tmp}/input"], b"[1, 2]", None, 2),
     (["export", "--dir", "{tmp}/absent"], None, None, 2),
+    (["export", "--dir", "{tmp}", "-o", "{tmp}"], None, None, 2),  # -o a folder
+    (["export", "--dir", "{tmp}", "-o", "{tmp}/absent/bundle.json"], None, None, 2),
     (["import", "{tmp}/absent.json", "--into", "{tmp}/into"], None, None, 2),
     (["import", "{tmp}/input", "--into", "{tmp}/into"], b"not json", None, 2),
     (["import", "{tmp}/input", "--into", "{tmp}/into"], b'{"format": "other", "files": {}}', None, 2),

@@ -17,6 +17,8 @@ MAX_ACCUMULATORS_WITH_TAIL = 192
 # The register file of an SM and a thread's share of it at most (every NVIDIA GPU since Kepler).
 REGISTERS_PER_SM = 65536
 MAX_REGISTERS_PER_THREAD = 255
+# Warps per program Triton launches (a power of two; 32 warps is a whole SM's thread limit).
+WARP_COUNTS = (1, 2, 4, 8, 16, 32)
 # Registers a capped GEMM2 needs beside its accumulators (ptxas, 8-warp 128-wide tiles capped at
 # 128: 80 accumulators per thread compile in 126 without spills, 96 spill).
 CAPPED_OTHER_REGISTERS = 48
@@ -55,9 +57,32 @@ def decode_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
     return c.decode_num_stages * max(gate_up, c.decode_block_h * c.decode_block_n) * element_bytes
 
 
+def malformed(c: KernelConfig) -> str | None:
+    """Why a config cannot launch on any shape or GPU (None if it can): what a hand-edited or
+    foreign tuning file may hold that the tuner never writes."""
+    tiles = ("block_m", "block_n", "block_k", "down_block_n", "down_block_k")
+    tiles += ("decode_block_n", "decode_block_k", "decode_block_h") if c.decode_block_n else ()
+    for name in tiles:
+        value = getattr(c, name)
+        if value < 16 or value & (value - 1):
+            return f"{name} {value} is not a power of two of at least 16"
+    for name in ("num_warps", "down_num_warps", "decode_num_warps"):
+        if getattr(c, name) not in WARP_COUNTS:
+            return f"{name} {getattr(c, name)} is not one of {WARP_COUNTS}"
+    for name in ("num_stages", "down_num_stages", "decode_num_stages", "split_k"):
+        if getattr(c, name) < 1:
+            return f"{name} {getattr(c, name)} is below 1"
+    if not 0 <= c.down_max_registers <= MAX_REGISTERS_PER_THREAD:
+        return f"down_max_registers {c.down_max_registers} is not 0 (no cap) to {MAX_REGISTERS_PER_THREAD}"
+    return None
+
+
 def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) -> str | None:
     """Why a config cannot run well on the target (None if it can): shared memory, registers,
     tiles wider than the dimension they cover, split-K finer than the K loop."""
+    problem = malformed(c)
+    if problem:
+        return problem
     limit, b = target.smem_per_block_kib * 1024, signature.element_bytes
     if gate_up_smem_bytes(c, b) > limit:
         return f"GEMM1 shared memory {gate_up_smem_bytes(c, b)} > {limit}"

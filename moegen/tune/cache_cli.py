@@ -140,14 +140,18 @@ def _export_dir(args) -> Path:
 
 def _cmd_export(args) -> int:
     directory = _export_dir(args)
+    output = Path(args.output) if args.output else None
+    if output is not None and (output.is_dir() or not output.parent.is_dir()):
+        raise TuningInputError(f"-o {output}: {'a folder' if output.is_dir() else 'no folder ' + str(output.parent)}; "
+                               "pass the bundle's file name in an existing folder, e.g. -o bundle.json")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         bundle = db.export_bundle(directory)
     for warning in caught:
         print(f"moegen: warning: {warning.message}", file=sys.stderr)
     text = db.dumps(bundle)
-    if args.output:
-        Path(args.output).write_text(text)
+    if output is not None:
+        db.atomic_write(output, text)  # an earlier bundle there stays whole if this write fails
         print(f"exported {len(bundle['files'])} files of {directory} to {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -26,6 +26,7 @@ import moegen
 from moegen import knobs
 from moegen.errors import MoegenError
 from moegen.ir import KernelSignature
+from moegen.plan.configs import malformed
 from moegen.render import template_hashes
 from moegen.runtime.fused import KernelConfig
 
@@ -192,6 +193,9 @@ def validate(data, where) -> dict:
             raise bad(f"bucket {tokens}: config is not integer fields {sorted(_REQUIRED_CONFIG_FIELDS)} "
                       f"(optionally {sorted(_CONFIG_FIELDS - _REQUIRED_CONFIG_FIELDS - _FLAG_FIELDS)} and "
                       f"true/false {sorted(_FLAG_FIELDS)})")
+        problem = malformed(KernelConfig(**config))
+        if problem:
+            raise bad(f"bucket {tokens}: config {problem}")
         if not _number(bucket.get("time_us"), False) or not all(
                 _number(bucket.get(k), True) for k in ("default_time_us", "floor_pct")):
             raise bad(f"bucket {tokens}: time_us, default_time_us or floor_pct is not a number")
@@ -223,7 +227,7 @@ def _warn_once(path: Path, error: Exception) -> None:
     key = str(Path(path).resolve())
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"ignored tuning file {path}: {error}", stacklevel=3)
+        warnings.warn(f"ignored {error}", stacklevel=3)  # the error names the file
 
 
 def db_files(directory: Path) -> list[Path]:
@@ -346,7 +350,8 @@ def _bucket_record(value: dict) -> dict:
     }
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Replace path's content all at once: a reader sees the old file or the new one."""
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as handle:
@@ -419,7 +424,7 @@ def merge_file(path: Path, content: dict) -> bool:
         text = dumps(merged)
         if text == old_text:
             return False  # identical content is not rewritten
-        _atomic_write(path, text)
+        atomic_write(path, text)
         return True
 
 
@@ -471,10 +476,9 @@ def read_bundle(path: Path) -> dict[str, dict]:
     if data.get("version") != BUNDLE_VERSION:
         raise TuningInputError(f"{path}: bundle version {data.get('version')!r}, this moegen reads "
                                f"version {BUNDLE_VERSION}; export it again with this moegen")
-    for name, content in data["files"].items():
+    for name in data["files"]:
         _check_name(name, path)
-        validate(content, f"{path}: {name}")
-    return data["files"]
+    return {name: validate(content, f"{path}: {name}") for name, content in data["files"].items()}
 
 
 def read_dir(directory: Path) -> dict[str, dict]:
