@@ -35,3 +35,7 @@ class SettingError(MoegenError):
 
 class BuildError(MoegenError):
     """The build could not complete; the previous output is untouched."""
+
+
+class PackageError(MoegenError):
+    """A generated package this moegen cannot run: rebuild it."""

@@ -120,6 +120,29 @@ def test_generated_package_imports_from_its_parent_folder(tmp_path):
     assert result.stdout.split() == ["tiny", "2", "4"]
 
 
+def _stale_template_hash(package: Path) -> None:
+    manifest = json.loads((package / "manifest.json").read_text())
+    manifest["templates"]["moe_gate_up.py.jinja"] = "0" * 64  # built by a moegen with another GEMM1
+    (package / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (_stale_template_hash, "built from templates other than this moegen's (moe_gate_up.py.jinja)"),
+    (lambda package: (package / "manifest.json").unlink(), "no readable manifest.json"),
+    (lambda package: (package / "manifest.json").write_text("{"), "no readable manifest.json"),
+])
+def test_a_package_this_moegen_cannot_run_says_rebuild(tmp_path, damage, needle):
+    """The launch code is moegen's and the kernels the package's: both must come from one
+    set of templates, checked at import, before any kernel module loads."""
+    cli.main(["build", str(TINY), "-o", str(tmp_path / "generated")])
+    damage(tmp_path / "generated" / "tiny")
+    code = "import generated.tiny"
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 1 and "PackageError" in result.stderr
+    assert needle in result.stderr and f"-o {tmp_path / 'generated'}" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("argv,code,needle", [
     (["validate", str(TINY)], 0, "ok"),
     (["validate", "does/not/exist.yaml"], 2, "does/not/exist.yaml"),
