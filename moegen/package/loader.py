@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 from moegen.errors import PackageError
+from moegen.render import template_hashes
 
 
 def checked_manifest(folder) -> dict:
     """The package's manifest.json, once its templates are known to be this moegen's: the
     package's kernels run under this moegen's launch code, which changes with them."""
-    from moegen.render import template_hashes
-
     folder = Path(folder)
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -35,7 +34,7 @@ def load_package(path):
     init = folder / "__init__.py"
     if not init.is_file():
         raise PackageError(f"{folder}: not a generated moegen package (no __init__.py); "
-                          f"run `moegen build SPEC -o {folder.parent}` first")
+                           f"run `moegen build SPEC -o {folder.parent}` first")
     module_name = f"moegen_generated_{folder.name}_{abs(hash(str(folder))):x}"
     if module_name in sys.modules:
         return sys.modules[module_name]
