@@ -563,3 +563,30 @@ def test_bad_inputs_are_named_before_any_launch(case, argument, change, message,
             pkg.fused_experts(args["x"], args["weights"], args["ids"], args["w13"], args["w2"])
         else:
             pkg.fused_moe(args["x"], args["logits"], args["w13"], args["w2"])
+
+
+NON_FINITE = {"nan_row": lambda row: row.fill_(float("nan")), "nan_one": lambda row: row[1:2].fill_(float("nan")),
+              "inf_one": lambda row: row[2:3].fill_(float("inf")), "minus_inf_row": lambda row: row.fill_(float("-inf"))}
+
+
+@pytest.mark.parametrize("tokens", [1, 20, 300], ids=["decode_kernel", "single_program", "multi_program"])
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+@pytest.mark.parametrize("model", [BASE, GROUPED], ids=["softmax", "grouped_correction_bias"])
+def test_non_finite_logits_spoil_only_their_token(model, kind, tokens, package_factory):
+    """An upstream NaN or infinity in one token's logits (routing it is undefined) must not make
+    the routing pick an expert out of range, nor touch the other tokens' outputs."""
+    from moegen.runtime import fused
+
+    pkg = package_factory(**model)
+    case = Case(kind, tokens, model)
+    x, logits, w13, w2, bias = _inputs(case, pkg, torch.Generator().manual_seed(zlib.crc32(kind.encode()) + tokens))
+    NON_FINITE[kind](logits[0])
+    cfg = pkg.KERNELS.config_for(tokens)
+    _, aligned = fused.route_and_align(pkg.KERNELS, logits, bias, cfg.block_m, cfg.tail_m, cfg.tails_first)
+    used = aligned.block_runs[:int(aligned.num_padded) // cfg.block_m] & EXPERT_MASK
+    assert bool((used >= 0).all()) and bool((used < pkg.KERNELS.num_experts).all())
+    out = pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+    if tokens > 1:
+        expected = ref.moe_reference(x[1:], logits[1:], w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation,
+                                     bias)
+        assert ref.relative_error(out[1:], expected) <= TOLERANCE[pkg.SPEC.model.dtype]
