@@ -37,5 +37,11 @@ class BuildError(MoegenError):
     """The build could not complete; the previous output is untouched."""
 
 
+class OutputError(MoegenError):
+    """The build's destination holds something moegen did not write; nothing was changed."""
+
+    exit_code = 2
+
+
 class PackageError(MoegenError):
     """A generated package this moegen cannot run: rebuild it."""

@@ -77,6 +77,36 @@ def test_failed_build_leaves_previous_output_untouched(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["changed.yaml", "tiny", "tiny.yaml"]
 
 
+def _user_file(path: Path) -> None:
+    path.write_text("my notes")
+
+
+def _user_folder(path: Path) -> None:
+    path.mkdir()
+    (path / "notes.txt").write_text("my notes")
+
+
+def _link_to_folder(path: Path) -> None:
+    _user_folder(path.with_name("elsewhere"))
+    path.symlink_to(path.with_name("elsewhere"))
+
+
+@pytest.mark.parametrize("make, what", [(_user_file, "a file"), (_user_folder, "a folder that is not a moegen package"),
+                                        (_link_to_folder, "a symbolic link")])
+def test_build_never_replaces_what_moegen_did_not_write(tmp_path, capsys, make, what):
+    make(tmp_path / "tiny")
+    before, names = _tree(tmp_path), sorted(p.name for p in tmp_path.iterdir())
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'tiny'}: {what}" in capsys.readouterr().err
+    assert _tree(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == names
+
+
+def test_build_replaces_an_empty_folder(tmp_path):
+    (tmp_path / "tiny").mkdir()
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 0
+    assert (tmp_path / "tiny" / "manifest.json").is_file()
+
+
 def test_manifest_records_inputs_and_config_sources(tmp_path):
     cli.main(["build", str(TINY), "-o", str(tmp_path)])
     manifest = json.loads((tmp_path / "tiny" / "manifest.json").read_text())

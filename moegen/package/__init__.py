@@ -9,7 +9,7 @@ from moegen import knobs
 from moegen.ir import lower
 from moegen.package.precompile import precompiled_files
 from moegen.package.sources import render_sources, tool_versions
-from moegen.package.writer import write_package
+from moegen.package.writer import check_destination, write_package
 from moegen.plan import plan
 from moegen.spec import load_spec
 from moegen.target import current_gpu
@@ -31,6 +31,7 @@ def build(spec_path, out_dir="generated") -> tuple[Path, bool]:
     build_plan = plan(ir, spec_path=str(spec_path))
     files: dict = render_sources(build_plan, tool_versions())
     folder = Path(out_dir) / spec.package_name
+    check_destination(folder)  # before precompiling, which takes a while
     if _should_precompile(ir.target.name):
         with tempfile.TemporaryDirectory(prefix="moegen-build-") as staging:
             write_package(Path(staging) / spec.package_name, files)
