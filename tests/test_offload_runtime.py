@@ -102,6 +102,27 @@ def test_runtime_rejects_host_experts_that_do_not_fit(package_factory, layer, na
         OffloadedMoE(pkg.KERNELS, plan, HostExperts.from_tensors(layers), engine_for_plan(plan), device=DEVICE)
 
 
+BAD_ROUTING = [  # (case, layer, topk_ids, message); 6 experts, top-2, 3 layers, one token
+    ("id_past_the_experts", 0, [[0, 6]], r"topk_ids\[0, 1\] = 6: expected an expert id in 0..5 \(layer 0\)"),
+    ("negative_id", 1, [[-1, 2]], r"topk_ids\[0, 0\] = -1: expected an expert id in 0..5 \(layer 1\)"),
+    ("layer_past_the_plan", 3, [[0, 1]], r"layer 3: expected an index in 0..2"),
+    ("negative_layer", -1, [[0, 1]], r"layer -1: expected an index in 0..2"),
+    ("ids_wider_than_top_k", 0, [[0, 1, 2]], r"topk_ids: expected shape \[1, 2\], got \[1, 3\]"),
+    ("float_ids", 0, [[0.0, 1.0]], r"topk_ids: expected an integer dtype, got torch.float32"),
+]
+
+
+@pytest.mark.parametrize("case,layer,ids,message", BAD_ROUTING, ids=[c[0] for c in BAD_ROUTING])
+def test_runtime_rejects_a_routing_it_cannot_run(package_factory, case, layer, ids, message):
+    """forward() has the ids on the host anyway (for the cache policy): a wrong one is named there,
+    before any copy or launch, and the engine has counted nothing."""
+    pkg, plan, host, _ = _setup(package_factory, 3)
+    runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine_for_plan(plan), device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        runtime.forward(layer, torch.randn(1, 40).to(DEVICE), torch.rand(1, 2).to(DEVICE), torch.tensor(ids).to(DEVICE))
+    assert runtime.stats.accesses == 0
+
+
 def test_host_experts_from_safetensors(tmp_path):
     from safetensors.torch import save_file
 

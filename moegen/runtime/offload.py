@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -167,13 +168,37 @@ class OffloadedMoE:
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer's MoE output [T, H] for a routing chosen by the caller."""
-        ids = topk_ids.tolist()  # the per-layer host synchronization
+        ids = self._routing_on_host(layer, topk_weights, topk_ids)
         chunks = _chunks_that_fit(ids, self.plan.slots_per_layer[layer])
         if len(chunks) == 1:
             return self._forward(layer, hidden_states, topk_weights, topk_ids, ids)
         # More distinct experts than slots: run the batch in parts whose experts fit the pool.
         return torch.cat([self._forward(layer, hidden_states[a:b], topk_weights[a:b], topk_ids[a:b], ids[a:b])
                           for a, b in chunks])
+
+    def _routing_on_host(self, layer, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> list:
+        """topk_ids as lists, after the per-layer host synchronization; checked there, where a
+        check costs nothing: an id out of range would index another expert's slot, or fail deep
+        in the cache policy."""
+        try:
+            in_range = 0 <= operator.index(layer) < self.plan.num_layers
+        except TypeError:
+            in_range = False
+        if not in_range:
+            raise ValueError(f"layer {layer!r}: expected an index in 0..{self.plan.num_layers - 1}")
+        k, e = self.kernels.top_k, self.kernels.num_experts
+        tokens = topk_ids.shape[0] if topk_ids.dim() == 2 else "T"
+        fused._check("topk_ids", topk_ids, (tokens, k), None, topk_ids.device)
+        fused._check("topk_weights", topk_weights, (tokens, k), None, topk_ids.device)
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+            raise ValueError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
+        ids = topk_ids.tolist()  # the per-layer host synchronization
+        wrong = next(((t, j) for t, token in enumerate(ids) for j, expert in enumerate(token)
+                      if not 0 <= expert < e), None)
+        if wrong is not None:
+            raise ValueError(f"topk_ids[{wrong[0]}, {wrong[1]}] = {ids[wrong[0]][wrong[1]]}: expected an expert "
+                             f"id in 0..{e - 1} (layer {layer})")
+        return ids
 
     def _forward(self, layer, hidden_states, topk_weights, topk_ids, ids) -> torch.Tensor:
         if self._first_step:  # the first layers' prefetches, before anything was routed
