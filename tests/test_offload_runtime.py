@@ -118,8 +118,12 @@ def test_runtime_rejects_a_routing_it_cannot_run(package_factory, case, layer, i
     before any copy or launch, and the engine has counted nothing."""
     pkg, plan, host, _ = _setup(package_factory, 3)
     runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine_for_plan(plan), device=DEVICE)
+    x, weights, ids = torch.randn(1, 40).to(DEVICE), torch.rand(1, 2).to(DEVICE), torch.tensor(ids).to(DEVICE)
     with pytest.raises(ValueError, match=message):
-        runtime.forward(layer, torch.randn(1, 40).to(DEVICE), torch.rand(1, 2).to(DEVICE), torch.tensor(ids).to(DEVICE))
+        runtime.forward(layer, x, weights, ids)
+    if "layer" not in case:  # capture() takes the batch a forward() will: refused alike
+        with pytest.raises(ValueError, match=message.split(r" \(layer")[0]):
+            runtime.capture(x, weights, ids)
     assert runtime.stats.accesses == 0
 
 

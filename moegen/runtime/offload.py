@@ -153,6 +153,7 @@ class OffloadedMoE:
         """Capture every layer's step graph for batches shaped like these now, so that serving (or
         a benchmark) does not pay for the capture at its first token. The engine and the pools'
         contents are untouched; the captured run reads slot 0 for every expert."""
+        self._routing_on_host(0, topk_weights, topk_ids)  # a batch forward() would refuse is not captured
         if not self.graphs.enabled:
             return
         for layer, pool in enumerate(self.pools):
