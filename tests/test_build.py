@@ -393,6 +393,37 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_en
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
 
 
+_TWO_PRECOMPILED_BUILDS = """
+import json, sys, tempfile
+from pathlib import Path
+sys.path[:0] = [{repo!r}, {tests!r}]
+from first_launch_replay import use_stand_in_hopper
+use_stand_in_hopper()
+from moegen.package import build, precompile
+precompile._with_launcher = lambda compiled: None  # launchers load the binary: GPU only
+out = Path(tempfile.mkdtemp())
+tree = lambda folder: {{p.relative_to(folder).as_posix(): p.read_bytes().hex() for p in folder.rglob("*") if p.is_file()}}
+first, changed_first = build({spec!r}, out)
+before = tree(first)
+second, changed_second = build({spec!r}, out)
+print(json.dumps({{"changed": [changed_first, changed_second], "same": before == tree(second),
+                   "kernels": sum(name.endswith(".cubin") for name in before)}}))
+"""
+
+
+def test_precompiled_build_is_reproducible(sm90_compile_env):
+    """Compiled kernels record their source's path and modification time (line info): the build
+    compiles from a path and mtime that depend only on the sources, so a second build with the
+    same inputs is byte-identical and leaves the package alone (sm_90 on the CPU)."""
+    code = _TWO_PRECOMPILED_BUILDS.format(repo=str(REPO), tests=str(REPO / "tests"), spec=str(TINY))
+    env = dict(sm90_compile_env, MOEGEN_PRECOMPILE="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome == {"changed": [True, False], "same": True, "kernels": outcome["kernels"]}
+    assert outcome["kernels"] > 0
+
+
 def test_kernel_fingerprint_comparison_counts_identical_variants_per_kernel():
     """tools/kernel_fingerprint.py --compare: per kernel (shape and launch settings aside), the
     variants compiled before an edit and how many of them compile identically after it."""

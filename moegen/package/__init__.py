@@ -1,13 +1,12 @@
 """Package: the build pipeline's last stages (render sources, write the package atomically)."""
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from moegen import knobs
 
 from moegen.ir import lower
-from moegen.package.precompile import precompiled_files
+from moegen.package.precompile import precompiled_sources
 from moegen.package.sources import render_sources, tool_versions
 from moegen.package.writer import check_destination, write_package
 from moegen.plan import plan
@@ -33,7 +32,5 @@ def build(spec_path, out_dir="generated") -> tuple[Path, bool]:
     folder = Path(out_dir) / spec.package_name
     check_destination(folder)  # before precompiling, which takes a while
     if _should_precompile(ir.target.name):
-        with tempfile.TemporaryDirectory(prefix="moegen-build-") as staging:
-            write_package(Path(staging) / spec.package_name, files)
-            files.update(precompiled_files(Path(staging) / spec.package_name))
+        files.update(precompiled_sources(spec.package_name, files))
     return folder, write_package(folder, files)

@@ -9,14 +9,20 @@ here and made absolute again where they are installed.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
 
+from moegen.package.writer import as_bytes, write_package
+
 CACHE_FOLDER = "triton_cache"
+SOURCE_MTIME = 315532800  # 1980-01-01, the zip epoch: the staged sources' time, for reproducible binaries
 _GROUP_PREFIX = "__grp__"
 
 
@@ -143,7 +149,12 @@ def precompiled_files(package_folder: Path) -> dict[str, bytes]:
 
     with tempfile.TemporaryDirectory(prefix="moegen-precompile-") as cache, triton.knobs.cache.scope():
         triton.knobs.cache.dir = cache
-        compile_buckets(load_package(package_folder).KERNELS, launchers=True)
+        package = load_package(package_folder)
+        try:
+            compile_buckets(package.KERNELS, launchers=True)
+        finally:  # the next build from this folder imports afresh: new kernels, an empty cache
+            for module in [m for m in sys.modules if m == package.__name__ or m.startswith(package.__name__ + ".")]:
+                del sys.modules[module]
         files = {}
         for path in sorted(Path(cache).rglob("*")):
             if not path.is_file() or path.name.startswith("tmp."):
@@ -155,6 +166,27 @@ def precompiled_files(package_folder: Path) -> dict[str, bytes]:
                 data = json.dumps(group, sort_keys=True).encode()
             files[f"{CACHE_FOLDER}/{path.relative_to(cache).as_posix()}"] = data
         return files
+
+
+def precompiled_sources(name: str, files: dict[str, str | bytes]) -> dict[str, bytes]:
+    """precompiled_files of the package `files` make, compiled in a staging folder whose path
+    depends only on those files, from sources with a fixed modification time: compiled kernels
+    record their source's path and mtime (line info), so the same inputs give the same bytes,
+    and a rebuild finds its package up to date."""
+    digest = hashlib.sha256()
+    for file_name, content in sorted(files.items()):
+        digest.update(file_name.encode() + b"\0" + as_bytes(content) + b"\0")
+    staging = Path(tempfile.gettempdir()) / f"moegen-build-{os.getuid()}-{digest.hexdigest()[:16]}"  # per user
+    with open(f"{staging}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent build of the same sources waits its turn
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            write_package(staging / name, files)
+            for path in (staging / name).rglob("*"):
+                os.utime(path, (SOURCE_MTIME, SOURCE_MTIME))
+            return precompiled_files(staging / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def install(package_folder: Path) -> int:
