@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from pathlib import Path
 
 from moegen import knobs
@@ -144,11 +143,7 @@ def _cmd_export(args) -> int:
     if output is not None and (output.is_dir() or not output.parent.is_dir()):
         raise TuningInputError(f"-o {output}: {'a folder' if output.is_dir() else 'no folder ' + str(output.parent)}; "
                                "pass the bundle's file name in an existing folder, e.g. -o bundle.json")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        bundle = db.export_bundle(directory)
-    for warning in caught:
-        print(f"moegen: warning: {warning.message}", file=sys.stderr)
+    bundle = db.export_bundle(directory)  # a file left out warns (one line each, cli.main)
     text = db.dumps(bundle)
     if output is not None:
         db.atomic_write(output, text)  # an earlier bundle there stays whole if this write fails
