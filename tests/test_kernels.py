@@ -565,6 +565,25 @@ def test_bad_inputs_are_named_before_any_launch(case, argument, change, message,
             pkg.fused_moe(args["x"], args["logits"], args["w13"], args["w2"])
 
 
+LAYER_BAD_INPUTS = [  # (case, MoELayer keyword arguments, hidden_states shape and dtype, message); BASE: H=40, fp32
+    ("layer_dtype", dict(dtype=torch.float16), None, r"dtype torch.float16: this package's kernels are compiled for "
+                                                     r"torch.float32"),
+    ("input_dtype", {}, ((3, 40), torch.float16), r"hidden_states: expected \[\.\.\., 40\] torch.float32, got \[3, 40\] "
+                                                   r"torch.float16"),
+    ("input_width", {}, ((3, 41), torch.float32), r"hidden_states: expected \[\.\.\., 40\] torch.float32, got \[3, 41\]"),
+    ("input_scalar", {}, ((), torch.float32), r"hidden_states: expected \[\.\.\., 40\] torch.float32, got \[\]"),
+]
+
+
+@pytest.mark.parametrize("case,kwargs,x,message", LAYER_BAD_INPUTS, ids=[c[0] for c in LAYER_BAD_INPUTS])
+def test_layer_names_what_it_cannot_run(case, kwargs, x, message, package_factory):
+    """Before the router's matmul would fail with torch's words, or the kernels with theirs."""
+    pkg = package_factory(**BASE)
+    with pytest.raises(ValueError, match=message):
+        layer = pkg.MoELayer(device=DEVICE, **kwargs)
+        layer(torch.randn(x[0]).to(x[1]).to(DEVICE))
+
+
 NON_FINITE = {"nan_row": lambda row: row.fill_(float("nan")), "nan_one": lambda row: row[1:2].fill_(float("nan")),
               "inf_one": lambda row: row[2:3].fill_(float("inf")), "minus_inf_row": lambda row: row.fill_(float("-inf"))}
 

@@ -24,6 +24,9 @@ class MoELayerBase(torch.nn.Module):
         super().__init__()
         m = self.spec.model
         dtype = dtype or self.kernels.dtype
+        if dtype != self.kernels.dtype:
+            raise ValueError(f"dtype {dtype}: this package's kernels are compiled for {self.kernels.dtype} "
+                             f"(the spec's model.dtype); leave dtype unset, or build a spec for {dtype}")
         factory = dict(device=device, dtype=dtype)
         self.gate = torch.nn.Linear(m.hidden_size, m.num_experts, bias=False, **factory)
         self.w13 = torch.nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **factory))
@@ -55,8 +58,11 @@ class MoELayerBase(torch.nn.Module):
         return F.linear(_activation(self.spec.model.activation)(gate) * up, self.shared_w2)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
+        shape, h = hidden_states.shape, self.spec.model.hidden_size
+        if hidden_states.dim() == 0 or shape[-1] != h or hidden_states.dtype != self.kernels.dtype:
+            raise ValueError(f"hidden_states: expected [..., {h}] {self.kernels.dtype}, got {list(shape)} "
+                             f"{hidden_states.dtype}")
+        x = hidden_states.reshape(-1, h)
         router_logits = self.gate(x)
         out = fused.fused_moe(self.kernels, x, router_logits, self.w13, self.w2,
                               correction_bias=self.correction_bias)
