@@ -131,7 +131,8 @@ CASES = [
     # name
     Case("name_keyword", replace("name: t", "name: class"), "name", "keyword", 1),
     Case("name_none_keyword", replace("name: t", "name: None"), "name", "keyword"),
-    Case("name_digit_first", replace("name: t", "name: 8x7b"), "name", "start with a letter"),
+    Case("name_digit_first", replace("name: t", "name: 8x7b"), "name", "start with an ASCII letter"),
+    Case("name_non_ascii_first", replace("name: t", "name: ünïcode"), "name", "start with an ASCII letter"),
     Case("name_space", replace("name: t", "name: my model"), "name", "contains ' '"),
     Case("name_slash", replace("name: t", "name: a/../b"), "name", "contains '/'"),
     Case("name_code", replace("name: t", "name: \"x; import os\""), "name", "contains ';'"),

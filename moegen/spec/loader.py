@@ -390,12 +390,12 @@ def _check_bound(value: float, bound: _Bound) -> Optional[tuple[str, str]]:
 
 
 def _check_name(name: str) -> Optional[_Issue]:
-    example = "use letters, digits, '-', '_' and '.', starting with a letter, e.g. 'mixtral-8x7b'"
+    example = "use ASCII letters, digits, '-', '_' and '.', starting with a letter, e.g. 'mixtral-8x7b'"
     if not name:
         return _Issue("name is empty", example)
     if not _NAME_RE.match(name):
         if not ("a" <= name[0].lower() <= "z"):
-            return _Issue(f"{name!r} must start with a letter", example)
+            return _Issue(f"{name!r} must start with an ASCII letter", example)
         bad = next(c for c in name if not re.match(r"[A-Za-z0-9_.\-]", c))
         return _Issue(f"{name!r} contains {bad!r}", example)
     if len(name) > MAX_NAME_LEN:
