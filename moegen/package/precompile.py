@@ -147,6 +147,10 @@ def precompiled_files(package_folder: Path) -> dict[str, bytes]:
 
     from moegen.package.loader import load_package
 
+    # Triton builds its driver's own C helpers into the active cache on first use: load the driver
+    # now, so they land in the user's cache, and the package holds the same kernels whether this
+    # is the process's first build or not.
+    triton.runtime.driver.active.get_current_target()
     with tempfile.TemporaryDirectory(prefix="moegen-precompile-") as cache, triton.knobs.cache.scope():
         triton.knobs.cache.dir = cache
         package = load_package(package_folder)
