@@ -209,6 +209,41 @@ def test_bad_environment_variable_is_a_clear_error_and_changes_nothing(tmp_path,
     assert _tree(tmp_path / "tiny") == before
 
 
+class _TritonSees:
+    """A stand-in for Triton's active driver: the GPU it compiles for (an sm number), or none."""
+
+    def __init__(self, arch):
+        self.arch = arch
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        if self.arch is None:
+            raise RuntimeError("0 active drivers ([]). There should only be one.")
+        return GPUTarget("cuda", self.arch, 32)
+
+
+@pytest.mark.parametrize("interpret,arch,needle", [
+    ("1", 90, "Triton's interpreter (TRITON_INTERPRET=1) compiles nothing"),
+    ("0", None, "this machine has no GPU for Triton to compile for"),
+    ("0", 80, "this GPU is sm_80, the spec's target h200 sm_90"),
+])
+def test_forced_precompile_without_the_target_gpu_is_a_clear_error(tmp_path, capsys, monkeypatch, interpret, arch,
+                                                                    needle):
+    import triton
+
+    from moegen import knobs
+
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 0
+    before = _tree(tmp_path / "tiny")
+    capsys.readouterr()
+    monkeypatch.setattr(triton.runtime.driver, "_active", _TritonSees(arch))
+    with knobs.scope(MOEGEN_PRECOMPILE="1", TRITON_INTERPRET=interpret):
+        assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 2
+    assert f"MOEGEN_PRECOMPILE='1': {needle}" in capsys.readouterr().err
+    assert _tree(tmp_path / "tiny") == before
+
+
 def test_bad_environment_variable_read_at_import_gives_no_traceback():
     env = {**os.environ, "MOEGEN_ROUTE_ALIGN_MAX_TOKENS": "eight"}
     result = subprocess.run([sys.executable, "-m", "moegen", "validate", str(TINY)], cwd=REPO,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moegen import knobs
+from moegen.errors import SettingError
 
 from moegen.ir import lower
 from moegen.package.precompile import precompiled_sources
@@ -11,15 +12,36 @@ from moegen.package.sources import render_sources, tool_versions
 from moegen.package.writer import check_destination, write_package
 from moegen.plan import plan
 from moegen.spec import load_spec
-from moegen.target import current_gpu
+from moegen.target import GpuTarget, current_gpu
 
 
-def _should_precompile(target_name: str) -> bool:
+def _should_precompile(target: GpuTarget) -> bool:
     forced = knobs.precompile()
-    if forced is not None:
-        return forced
-    here = current_gpu()
-    return here is not None and here.name == target_name and not knobs.triton_interpret()
+    if forced is None:
+        here = current_gpu()
+        return here is not None and here.name == target.name and not knobs.triton_interpret()
+    if forced:
+        _check_compiles_for(target)
+    return forced
+
+
+def _check_compiles_for(target: GpuTarget) -> None:
+    """MOEGEN_PRECOMPILE=1 compiles for the GPU Triton sees here: refuse where there is none, or
+    where its kernels could not run on the spec's target."""
+    if knobs.triton_interpret():
+        raise SettingError("MOEGEN_PRECOMPILE", "1", "Triton's interpreter (TRITON_INTERPRET=1) compiles nothing",
+                           "unset one of the two")
+    import triton
+
+    try:
+        here = triton.runtime.driver.active.get_current_target()
+    except RuntimeError:  # Triton finds no GPU driver
+        raise SettingError("MOEGEN_PRECOMPILE", "1", "this machine has no GPU for Triton to compile for",
+                           "build on the target GPU, or unset it") from None
+    if here.arch != target.arch:
+        raise SettingError("MOEGEN_PRECOMPILE", "1",
+                           f"this GPU is sm_{here.arch}, the spec's target {target.alias} sm_{target.arch}",
+                           "build on the target GPU, or unset it")
 
 
 def build(spec_path, out_dir="generated") -> tuple[Path, bool]:
@@ -31,6 +53,6 @@ def build(spec_path, out_dir="generated") -> tuple[Path, bool]:
     files: dict = render_sources(build_plan, tool_versions())
     folder = Path(out_dir) / spec.package_name
     check_destination(folder)  # before precompiling, which takes a while
-    if _should_precompile(ir.target.name):
+    if _should_precompile(ir.target):
         files.update(precompiled_sources(spec.package_name, files))
     return folder, write_package(folder, files)
