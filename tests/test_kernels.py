@@ -224,6 +224,19 @@ def test_decode_kernel(case, stagger_k, tma, package_factory):
         assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
 
 
+@pytest.mark.parametrize("largest_bucket,tokens", [(1, 3), (4, 6), (4, 16), (4, 17)])
+def test_batches_beyond_the_largest_bucket(largest_bucket, tokens, package_factory):
+    """A batch larger than every bucket runs the largest bucket's config (the one-launch decode
+    kernel, where that bucket is a decode size), which must still route every token."""
+    pkg = package_factory(buckets=(largest_bucket,), **BASE)
+    assert pkg.KERNELS.config_for(tokens).decode_block_n > 0
+    case = Case(f"beyond_bucket_{largest_bucket}", tokens, BASE)
+    x, logits, w13, w2, bias = _inputs(case, pkg, torch.Generator().manual_seed(tokens))
+    out = pkg.fused_moe(x, logits, w13, w2)
+    expected = ref.moe_reference(x, logits, w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation, bias)
+    assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+
+
 FINISH_COMPILE = """
 import tempfile
 from pathlib import Path

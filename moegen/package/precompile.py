@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -126,10 +127,12 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             **down_launch(cfg), grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
-            for logits_dtype in logits_dtypes:
+            last = DECODE_MAX_TOKENS if bucket == ks.buckets[-1] else min(bucket, DECODE_MAX_TOKENS)
+            block_ts = sorted({decode_block_t(ks, t) for t in range(previous + 1, last + 1)})  # beyond the last too
+            for block_t, logits_dtype in itertools.product(block_ts, logits_dtypes):
                 compiled.append(ks.decode.warmup(
                     logits_dtype, torch.float32, ks.dtype, w13, w2, *decode,
-                    BLOCK_T=decode_block_t(ks, bucket), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+                    BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
                     BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, USE_PDL=pdl,
                     num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, grid=(1, 1)))
             compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,

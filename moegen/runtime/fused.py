@@ -180,8 +180,9 @@ def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
 
 
 def decode_block_t(ks: KernelSet, num_tokens: int) -> int:
-    """Token rows the decode kernel routes: sized by the batch's bucket (few compiled variants)."""
-    return pow2_at_least(min(ks.bucket_for(num_tokens), DECODE_MAX_TOKENS))
+    """Token rows the decode kernel routes: sized by the batch's bucket (few compiled variants),
+    or by the batch where it exceeds the largest bucket."""
+    return pow2_at_least(min(max(ks.bucket_for(num_tokens), num_tokens), DECODE_MAX_TOKENS))
 
 
 def uses_decode(cfg: KernelConfig, num_tokens: int) -> bool:
