@@ -56,7 +56,7 @@ def test_tune_warm_rebuild_and_forced_retune(interpreter_spec, tmp_path, capsys,
         from moegen.runtime.fused import KernelConfig
         from moegen.tune import runner
 
-        incumbent = replace(KernelConfig(**content["buckets"]["16"]["config"]), group_m=3)
+        incumbent = replace(KernelConfig(**content["buckets"]["16"]["config"]), group_m=16)
         content["buckets"]["16"]["config"] = incumbent.__dict__
         report.saved_to.write_text(json.dumps(content))
         measure = runner._Search.measure
@@ -84,7 +84,7 @@ def test_stale_file_stops_the_tuner_early_and_seeds_a_tune_elsewhere(interpreter
     from moegen.tune import runner
 
     gpu, ir = current_gpu(), lower(load_spec(interpreter_spec), interpreter_spec)
-    previous = replace(default_config(ir.signature, gpu, 1), group_m=3)  # outside the search space
+    previous = replace(default_config(ir.signature, gpu, 1), group_m=16)  # outside the search space
     stale_meta = replace(tuning_db.current_metadata(gpu.name, ir.signature, KERNEL_TEMPLATES), template_hash="0" * 64)
     stale_dir = tmp_path / "stale"
     stale_file = tuning_db.save(stale_dir, stale_meta, {1: {"config": previous, "time_us": 5.0}}, {})
@@ -115,7 +115,7 @@ def test_stale_file_stops_the_tuner_early_and_seeds_a_tune_elsewhere(interpreter
 
 def test_strict_mode_names_missing_key_and_command(interpreter_spec, tmp_path, capsys):
     with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "empty"), MOEGEN_REQUIRE_TUNED="1"):
-        assert cli.main(["build", str(interpreter_spec), "-o", str(tmp_path / "out")]) == 1
+        assert cli.main(["build", str(interpreter_spec), "-o", str(tmp_path / "out")]) == 2
     message = capsys.readouterr().err
     assert "h40_i24_e6_k2_silu_float32" in message and "Triton interpreter" in message
     assert f"moegen tune {interpreter_spec}" in message

@@ -20,10 +20,12 @@ from moegen.errors import MoegenError
 from moegen.ir import KernelSignature
 from moegen.render import KERNEL_TEMPLATES
 from moegen.runtime.fused import KernelConfig
+from moegen.target import lookup_gpu
 from moegen.tune import db
 from moegen.tune.cache_cli import add_cache_parser
 
 DEVICE = "NVIDIA H200"
+GPU = lookup_gpu(DEVICE)
 SIG = KernelSignature(hidden_size=64, intermediate_size=128, num_experts=4, top_k=2, activation="silu",
                       dtype="float32")
 TEMPLATES = list(KERNEL_TEMPLATES)  # what the build (and `moegen cache list`) hashes
@@ -69,9 +71,9 @@ def test_save_lookup_round_trip(tmp_path):
     assert json.loads(text)["metadata"] == asdict(current())
 
     tuning = db.TuningDb([tmp_path])
-    entry = tuning.lookup(DEVICE, SIG, 64, TEMPLATES)
+    entry = tuning.lookup(GPU, SIG, 64, TEMPLATES)
     assert entry == db.TunedEntry(CONFIG, 30.0, 15.0, 40.0, path)
-    assert tuning.lookup(DEVICE, SIG, 8, TEMPLATES) is None  # buckets match exactly
+    assert tuning.lookup(GPU, SIG, 8, TEMPLATES) is None  # buckets match exactly
     assert tuning.failures(DEVICE, SIG, TEMPLATES) == {"m16_n64": "out of resources"}
     assert not db.merge_file(path, db.load_file(path))  # identical content is not rewritten
 
@@ -97,7 +99,7 @@ def test_lookup_order(tmp_path, in_env, in_shipped, expect):
             db.save(directory, current(), {t: result(v) for t, v in buckets.items()}, {})
     with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(env)):
         tuning = db.TuningDb([env, shipped])
-        entry = tuning.lookup(DEVICE, SIG, 64, TEMPLATES)
+        entry = tuning.lookup(GPU, SIG, 64, TEMPLATES)
     assert (entry and entry.time_us) == expect
 
 
@@ -135,7 +137,7 @@ def test_metadata_compatibility(tmp_path, case):
     path = write_with(tmp_path, buckets={1: result(5.0)}, **{case.field: case.value})
     before = path.read_bytes()
     tuning = db.TuningDb([tmp_path])
-    entry = tuning.lookup(DEVICE, SIG, 1, TEMPLATES)
+    entry = tuning.lookup(GPU, SIG, 1, TEMPLATES)
     assert (entry is not None) == case.used
 
     if case.used:
@@ -148,7 +150,7 @@ def test_metadata_compatibility(tmp_path, case):
             db.save(tmp_path, current(), {64: result(7.0)}, {})
         assert path.read_bytes() == before  # never overwritten
         with knobs.scope(MOEGEN_REQUIRE_TUNED="1"), pytest.raises(db.MissingTunedConfigError, match="stale"):
-            db.resolve(tuning, DEVICE, SIG, 1, TEMPLATES, "specs/tiny.yaml")
+            db.resolve(tuning, GPU, SIG, 1, TEMPLATES, "specs/tiny.yaml")
 
 
 def test_new_bucket_result_wins_and_failures_union(tmp_path):
@@ -167,7 +169,7 @@ def test_config_fields_with_defaults_may_be_absent(tmp_path):
     for f in optional:
         del content["buckets"]["1"]["config"][f.name]
     path.write_text(db.dumps(content))
-    assert db.TuningDb([tmp_path]).lookup(DEVICE, SIG, 1, TEMPLATES).config == CONFIG
+    assert db.TuningDb([tmp_path]).lookup(GPU, SIG, 1, TEMPLATES).config == CONFIG
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,9 +187,40 @@ CORRUPT = {
 }
 # Well-typed configs no kernel can launch (a hand edit, another tool's file).
 for _field, _value in [("block_m", 0), ("block_n", 48), ("num_warps", 3), ("down_num_warps", 0),
-                       ("num_stages", 0), ("split_k", -2), ("down_max_registers", 300)]:
+                       ("num_stages", 0), ("split_k", -2), ("down_max_registers", 300), ("group_m", 3),
+                       ("streams", 7), ("tail_m", 256), ("block_m", 2 ** 70), ("num_stages", 10 ** 9),
+                       ("split_k", 10 ** 6)]:
     CORRUPT[f"{_field}_{_value}"] = json.dumps({"metadata": {}, "buckets": {"1": {
         "config": {**asdict(CONFIG), _field: _value}, "time_us": 1.0}}}).encode()
+
+
+def _file_with(bucket_changes=None, key="1", **top_changes) -> bytes:
+    content = {"metadata": {}, "buckets": {key: {"config": asdict(CONFIG), "time_us": 1.0, **(bucket_changes or {})}}}
+    return json.dumps({**content, **top_changes}).encode()
+
+
+# JSON that Python's parser cannot take, numbers that are no times, bucket keys no lookup
+# matches, metadata of the wrong types, text that is not Unicode.
+CORRUPT.update({
+    "nested_too_deep": b"[" * 100_000 + b"]" * 100_000,
+    "number_too_long": b'{"metadata": {}, "buckets": {}, "x": 1' + b"0" * 5000 + b"}",
+    "time_huge": _file_with({"time_us": 10 ** 400}),
+    "time_nan": _file_with({"time_us": float("nan")}),
+    "time_zero": _file_with({"time_us": 0}),
+    "default_time_negative": _file_with({"default_time_us": -1.0}),
+    "floor_infinite": _file_with({"floor_pct": float("inf")}),
+    "candidates_negative": _file_with({"candidates": -1}),
+    "bucket_superscript_digit": _file_with(key="\u00b2"),
+    "bucket_leading_zero": _file_with(key="016"),
+    "bucket_zero": _file_with(key="0"),
+    "device_a_number": _file_with(metadata={"device": 123}),
+    "triton_a_list": _file_with(metadata={"triton": ["3.6.0"]}),
+    "signature_size_a_string": _file_with(metadata={"signature": {"hidden_size": "64"}}),
+    "signature_size_a_bool": _file_with(metadata={"signature": {"top_k": True}}),
+    "signature_unknown_field": _file_with(metadata={"signature": {"experts": 4}}),
+    "failure_not_text": _file_with(failures={"m16": 1}),
+    "lone_surrogate": _file_with(failures={"\ud800": "x"}),
+})
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPT))
@@ -200,7 +233,7 @@ def test_corrupt_file_warns_once_and_is_skipped(tmp_path, name):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert tuning.lookup(DEVICE, SIG, 1, TEMPLATES).time_us == 3.0  # falls through to `good`
+            assert tuning.lookup(GPU, SIG, 1, TEMPLATES).time_us == 3.0  # falls through to `good`
     assert len(caught) == 1 and db_path(bad).name in str(caught[0].message)
     assert "ignored" in str(caught[0].message)
 
@@ -212,7 +245,40 @@ def test_save_moves_corrupt_file_aside(tmp_path, name):
     with pytest.warns(UserWarning, match="corrupt"):
         db.save(tmp_path, current(), {1: result(3.0)}, {})
     assert path.with_name(path.name + ".corrupt").read_bytes() == CORRUPT[name]
-    assert db.TuningDb([tmp_path]).lookup(DEVICE, SIG, 1, TEMPLATES).time_us == 3.0
+    assert db.TuningDb([tmp_path]).lookup(GPU, SIG, 1, TEMPLATES).time_us == 3.0
+
+
+def test_corrupt_files_moved_aside_keep_their_own_copies(tmp_path):
+    path = db_path(tmp_path)
+    for n, name in enumerate(["not_json", "no_metadata"]):
+        path.write_bytes(CORRUPT[name])
+        with pytest.warns(UserWarning, match="corrupt"):
+            db.save(tmp_path, current(), {1 + n: result(3.0)}, {})
+    assert path.with_name(path.name + ".corrupt").read_bytes() == CORRUPT["not_json"]
+    assert path.with_name(path.name + ".corrupt.1").read_bytes() == CORRUPT["no_metadata"]
+
+
+def test_a_file_that_cannot_be_read_is_left_alone(tmp_path):
+    path = db_path(tmp_path)
+    path.mkdir()  # unreadable as a file, as one without read permission would be for its user
+    with pytest.raises(db.TuningInputError, match="cannot read it"):
+        db.save(tmp_path, current(), {1: result(3.0)}, {})
+    assert path.is_dir() and not path.with_name(path.name + ".corrupt").exists()
+
+
+def test_config_the_target_cannot_run_is_passed_over(tmp_path, capsys):
+    """A well-formed config that needs more shared memory than the target has (a hand edit) is
+    never built: the lookup warns and goes on to the next folder, strict mode names it."""
+    wide = replace(CONFIG, block_k=1024, block_n=128, num_stages=8)
+    bad, good = tmp_path / "bad", tmp_path / "good"
+    db.save(bad, current(), {1: result(3.0, wide)}, {})
+    db.save(good, current(), {1: result(5.0)}, {})
+    with pytest.warns(UserWarning, match="bucket 1: config GEMM1 shared memory"):
+        assert db.TuningDb([bad, good]).lookup(GPU, SIG, 1, TEMPLATES).time_us == 5.0
+    with knobs.scope(MOEGEN_REQUIRE_TUNED="1"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(db.MissingTunedConfigError, match="bucket 1's config GEMM1 shared memory"):
+            db.resolve(db.TuningDb([bad]), GPU, SIG, 1, TEMPLATES, "specs/tiny.yaml")
 
 
 def test_build_reports_an_ignored_file_in_one_line(tmp_path, capsys):
@@ -236,7 +302,7 @@ def test_build_reports_an_ignored_file_in_one_line(tmp_path, capsys):
 
 def _save_many(directory: str, worker: int, count: int) -> None:
     for i in range(count):
-        db.save(Path(directory), current(), {1000 * worker + i: result(float(i))}, {f"w{worker}_{i}": "x"})
+        db.save(Path(directory), current(), {1000 * worker + i + 1: result(float(i + 1))}, {f"w{worker}_{i}": "x"})
 
 
 def test_concurrent_saves_lose_nothing(tmp_path):
@@ -279,13 +345,13 @@ def test_strict_mode(tmp_path, require, saved, outcome):
     with knobs.scope(MOEGEN_REQUIRE_TUNED=require):
         if outcome == "error":
             with pytest.raises(db.MissingTunedConfigError) as info:
-                db.resolve(tuning, DEVICE, SIG, 64, TEMPLATES, "specs/tiny.yaml")
+                db.resolve(tuning, GPU, SIG, 64, TEMPLATES, "specs/tiny.yaml")
             message = str(info.value)
             for part in (SIG.key, DEVICE, "64 tokens", str(tmp_path / "absent"), "moegen tune specs/tiny.yaml"):
                 assert part in message
-            assert info.value.exit_code == 1
+            assert info.value.exit_code == 2
         else:
-            entry = db.resolve(tuning, DEVICE, SIG, 64, TEMPLATES, "specs/tiny.yaml")
+            entry = db.resolve(tuning, GPU, SIG, 64, TEMPLATES, "specs/tiny.yaml")
             assert (entry is not None) == (outcome == "entry")
 
 
@@ -382,7 +448,7 @@ def test_import_of_a_file_without_failures(tmp_path, two_files):
         del content["failures"]
     bundle.write_text(json.dumps(data))
     assert cli("import", str(bundle), "--into", str(tmp_path / "into")) == 0
-    assert db.TuningDb([tmp_path / "into"]).lookup(DEVICE, SIG, 64, TEMPLATES).time_us == 30.0
+    assert db.TuningDb([tmp_path / "into"]).lookup(GPU, SIG, 64, TEMPLATES).time_us == 30.0
 
 
 def test_import_skips_mismatching_file_and_imports_the_rest(tmp_path, two_files, capsys):
@@ -447,6 +513,22 @@ def test_cache_list_and_show(tmp_path, two_files, capsys):
     (["import", "{tmp}/input", "--into", "{tmp}/input"],
      b'{"format": "moegen-tuning-bundle", "version": 1, "files": {}}', None, 2),
     (["import", "{tmp}/input"], b'{"format": "moegen-tuning-bundle", "version": 1, "files": {}}', "{tmp}/input", 2),
+    (["import", "{tmp}/input", "--into", "{tmp}/input/into"],
+     b'{"format": "moegen-tuning-bundle", "version": 1, "files": {}}', None, 2),
+    (["import", "{tmp}/input", "--into", "{tmp}/into"],
+     b'{"format": "moegen-tuning-bundle", "version": true, "files": {}}', None, 2),
+    # a name no file system takes, a name that is not the one its content gives
+    (["import", "{tmp}/input", "--into", "{tmp}/into"], json.dumps({
+        "format": "moegen-tuning-bundle", "version": 1, "files": {"a" * 300 + ".json": json.loads(_file_with())}
+    }).encode(), None, 2),
+    (["import", "{tmp}/input", "--into", "{tmp}/into"], json.dumps({
+        "format": "moegen-tuning-bundle", "version": 1, "files": {"x.json": json.loads(_file_with(
+            metadata=asdict(current())))}}).encode(), None, 2),
+    (["show", "{tmp}/" + "a" * 300], None, None, 2),
+    # export: not into the exported folder, not over a file that is no bundle, not to a folder
+    (["export", "--dir", "{tmp}", "-o", "{tmp}/bundle.json"], None, None, 2),
+    (["export", "-o", "{tmp}/input"], b"my notes", None, 2),
+    (["export", "-o", "{tmp}/absent/"], None, None, 2),
 ])
 def test_cache_cli_exit_codes(tmp_path, capsys, argv, content, env, code):
     if content is not None:

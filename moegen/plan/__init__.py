@@ -39,7 +39,7 @@ def plan(ir: ModelIR, db=None, spec_path: Optional[str] = None) -> BuildPlan:
     sig, target = ir.signature, ir.target
     buckets = []
     for tokens in ir.spec.workload.token_buckets:
-        entry = resolve(db, target.name, sig, tokens, KERNEL_TEMPLATES, spec_path or ir.spec_file)
+        entry = resolve(db, target, sig, tokens, KERNEL_TEMPLATES, spec_path or ir.spec_file)
         config, source = ((entry.config, f"tuned:{entry.path.name}") if entry is not None
                           else (default_config(sig, target, tokens), COST_MODEL))
         buckets.append(BucketPlan(tokens, bucket_cost(sig, target, tokens), config, source))

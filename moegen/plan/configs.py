@@ -22,6 +22,11 @@ WARP_COUNTS = (1, 2, 4, 8, 16, 32)
 # Registers a capped GEMM2 needs beside its accumulators (ptxas, 8-warp 128-wide tiles capped at
 # 128: 80 accumulators per thread compile in 126 without spills, 96 spill).
 CAPPED_OTHER_REGISTERS = 48
+# Bounds well beyond what the tuner tries (tiles up to 512, up to 7 stages, split-K up to 4): a
+# larger value in a tuning file is junk, not a config.
+MAX_TILE = 1024
+MAX_STAGES = 16
+MAX_SPLIT_K = 64
 # Tail row counts a block may carry (the swapped MMA's narrow side: a power of two, >= 16).
 TAIL_ROWS = (16, 32, 64)
 # Row blocks per group: the divisors of RUN_WRAP, which a block's word keeps its rank in the
@@ -64,16 +69,32 @@ def malformed(c: KernelConfig) -> str | None:
     tiles += ("decode_block_n", "decode_block_k", "decode_block_h") if c.decode_block_n else ()
     for name in tiles:
         value = getattr(c, name)
-        if value < 16 or value & (value - 1):
-            return f"{name} {value} is not a power of two of at least 16"
+        if not 16 <= value <= MAX_TILE or value & (value - 1):
+            return f"{name} {value} is not a power of two from 16 to {MAX_TILE}"
     for name in ("num_warps", "down_num_warps", "decode_num_warps"):
         if getattr(c, name) not in WARP_COUNTS:
             return f"{name} {getattr(c, name)} is not one of {WARP_COUNTS}"
-    for name in ("num_stages", "down_num_stages", "decode_num_stages", "split_k"):
-        if getattr(c, name) < 1:
-            return f"{name} {getattr(c, name)} is below 1"
+    for name in ("num_stages", "down_num_stages", "decode_num_stages"):
+        if not 1 <= getattr(c, name) <= MAX_STAGES:
+            return f"{name} {getattr(c, name)} is not 1 to {MAX_STAGES}"
+    if not 1 <= c.split_k <= MAX_SPLIT_K:
+        return f"split_k {c.split_k} is not 1 to {MAX_SPLIT_K}"
     if not 0 <= c.down_max_registers <= MAX_REGISTERS_PER_THREAD:
         return f"down_max_registers {c.down_max_registers} is not 0 (no cap) to {MAX_REGISTERS_PER_THREAD}"
+    if c.tail_m and (c.tail_m not in TAIL_ROWS or c.tail_m >= c.block_m):
+        return f"tail_m {c.tail_m} not one of {TAIL_ROWS} below block_m"
+    if c.tail_split and c.tail_m // 2 < min(TAIL_ROWS):
+        return f"tail_split needs a half tail of at least {min(TAIL_ROWS)} rows (tail_m {c.tail_m})"
+    if c.half_blocks and c.block_m // 2 < 16:
+        return f"half_blocks needs a half block of at least 16 rows, an MMA's least (block_m {c.block_m})"
+    if c.tails_first and not c.tail_m:
+        return "tails_first orders the runs with tail rows: it needs tail_m"
+    if c.decode_stagger_k and not c.decode_block_n:
+        return "decode_stagger_k staggers the decode kernel's walk: it needs decode_block_n"
+    if c.group_m not in ROW_GROUPS:
+        return f"group_m {c.group_m} not one of {ROW_GROUPS} (groups divide the runs' rank wrap)"
+    if c.streams not in (1, 2):
+        return f"streams {c.streams}: 1 or 2"
     return None
 
 
@@ -97,20 +118,6 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
     if c.down_max_registers and (c.block_m + c.tail_m) * c.down_block_n \
             > (c.down_max_registers - CAPPED_OTHER_REGISTERS) * 32 * c.down_num_warps:
         return f"GEMM2 accumulators leave too few of its {c.down_max_registers} registers"
-    if c.tail_m and (c.tail_m not in TAIL_ROWS or c.tail_m >= c.block_m):
-        return f"tail_m {c.tail_m} not one of {TAIL_ROWS} below block_m"
-    if c.tail_split and c.tail_m // 2 < min(TAIL_ROWS):
-        return f"tail_split needs a half tail of at least {min(TAIL_ROWS)} rows (tail_m {c.tail_m})"
-    if c.half_blocks and c.block_m // 2 < 16:
-        return f"half_blocks needs a half block of at least 16 rows, an MMA's least (block_m {c.block_m})"
-    if c.tails_first and not c.tail_m:
-        return "tails_first orders the runs with tail rows: it needs tail_m"
-    if c.decode_stagger_k and not c.decode_block_n:
-        return "decode_stagger_k staggers the decode kernel's walk: it needs decode_block_n"
-    if c.group_m not in ROW_GROUPS:
-        return f"group_m {c.group_m} not one of {ROW_GROUPS} (groups divide the runs' rank wrap)"
-    if c.streams not in (1, 2):
-        return f"streams {c.streams}: 1 or 2"
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
     if c.block_n > max(16, i) or c.block_k > max(16, h) or c.down_block_n > max(16, h) or c.down_block_k > max(16, i):
         return "tile wider than the dimension it covers"

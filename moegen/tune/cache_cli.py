@@ -87,14 +87,21 @@ def _cmd_list(args) -> int:
     return 0
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long, a loop of links: not a file this command can show
+        return False
+
+
 def _find(name_or_path: str) -> Path:
     path = Path(name_or_path)
-    if path.is_file():
+    if _is_file(path):
         return path
     name = path.name if path.name.endswith(".json") else path.name + ".json"
     dirs = db.default_search_path()
     for directory in dirs:
-        if (directory / name).is_file():
+        if _is_file(directory / name):
             return directory / name
     raise TuningInputError(f"{name_or_path}: no such tuning file (searched {', '.join(map(str, dirs))}); "
                            "`moegen cache list` shows the files")
@@ -137,12 +144,27 @@ def _export_dir(args) -> Path:
     return directory
 
 
+def _bundle_output(output: str, directory: Path) -> Path:
+    """Where export writes: a file name in an existing folder other than the exported one (a
+    link is written through), and not a file that is something other than a bundle."""
+    fix = "pass the bundle's file name in an existing folder, e.g. -o bundle.json"
+    path = Path(output).resolve()
+    if output.endswith(("/", "\\")) or path.is_dir():
+        raise TuningInputError(f"-o {output}: a folder; {fix}")
+    if not path.parent.is_dir():
+        raise TuningInputError(f"-o {output}: no folder {path.parent}; {fix}")
+    if path.parent == directory.resolve():
+        raise TuningInputError(f"-o {output}: inside the exported folder {directory}, among its tuning files; "
+                               "write the bundle elsewhere")
+    if path.exists() and not db.is_bundle(path):
+        raise TuningInputError(f"-o {output}: an existing file that is not a tuning bundle; not "
+                               "overwritten. Choose another name, or delete it first")
+    return path
+
+
 def _cmd_export(args) -> int:
     directory = _export_dir(args)
-    output = Path(args.output) if args.output else None
-    if output is not None and (output.is_dir() or not output.parent.is_dir()):
-        raise TuningInputError(f"-o {output}: {'a folder' if output.is_dir() else 'no folder ' + str(output.parent)}; "
-                               "pass the bundle's file name in an existing folder, e.g. -o bundle.json")
+    output = _bundle_output(args.output, directory) if args.output else None
     bundle = db.export_bundle(directory)  # a file left out warns (one line each, cli.main)
     text = db.dumps(bundle)
     if output is not None:
@@ -159,6 +181,11 @@ def _destination(args) -> Path:
         raise TuningInputError("no destination: pass --into DIR or set MOEGEN_TUNED_CONFIG_DIR")
     if into.exists() and not into.is_dir():
         raise TuningInputError(f"--into {into}: a file, not a folder; pass a folder (created if missing)")
+    try:
+        into.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise TuningInputError(f"--into {into}: cannot create it ({error.strerror}); pass a folder you can "
+                               "write") from None
     return into
 
 

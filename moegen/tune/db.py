@@ -14,21 +14,23 @@ import fcntl
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import re
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, get_type_hints
 
 import moegen
 from moegen import knobs
 from moegen.errors import MoegenError
 from moegen.ir import KernelSignature
-from moegen.plan.configs import malformed
+from moegen.plan.configs import malformed, violation
 from moegen.render import template_hashes
 from moegen.runtime.fused import KernelConfig
+from moegen.target import GpuTarget
 
 BUNDLE_FORMAT = "moegen-tuning-bundle"
 BUNDLE_VERSION = 1
@@ -57,6 +59,8 @@ class IncompatibleDbError(MoegenError):
 
 class MissingTunedConfigError(MoegenError):
     """Strict mode (MOEGEN_REQUIRE_TUNED=1): the tuning database has no entry for a bucket."""
+
+    exit_code = 2
 
     def __init__(self, device: str, signature: KernelSignature, tokens: int, dirs: Sequence[Path],
                  spec_path, notes: Sequence[str] = ()):
@@ -162,10 +166,36 @@ def _heal(disk: DbMetadata, new: DbMetadata) -> DbMetadata:
 # reading and validating one file
 
 
-def _number(value, nullable: bool) -> bool:
+def _number(value, nullable: bool, positive: bool) -> bool:
+    """A finite JSON number (positive, or at least 0), or null where nullable."""
     if value is None:
         return nullable
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        value = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(value) and (value > 0 if positive else value >= 0)
+
+
+_TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(DbMetadata) if f.name != "signature")
+_SIGNATURE_TYPES = get_type_hints(KernelSignature)  # int or str
+_BUCKET = re.compile(r"[1-9][0-9]{0,8}")  # a token count, as str(int) writes it
+
+
+def _signature_problem(signature) -> str | None:
+    if signature is None:
+        return None
+    if not isinstance(signature, dict):
+        return "metadata.signature is not an object"
+    for name, value in signature.items():
+        kind = _SIGNATURE_TYPES.get(name)
+        if kind is None:
+            return f"metadata.signature has no field {name!r}"
+        if value is not None and type(value) is not kind:  # noqa: E721 - True is no hidden size
+            return f"metadata.signature.{name} is not {'an integer' if kind is int else 'a string'}"
+    return None
 
 
 def validate(data, where) -> dict:
@@ -178,13 +208,22 @@ def validate(data, where) -> dict:
         raise bad("no metadata object")
     if not isinstance(data.get("buckets"), dict):
         raise bad("no buckets object")
-    if not isinstance(data.get("failures", {}), dict):
-        raise bad("failures is not an object")
-    signature = data["metadata"].get("signature")
-    if signature is not None and not isinstance(signature, dict):
-        raise bad("metadata.signature is not an object")
+    if not isinstance(data.get("failures", {}), dict) or \
+            not all(isinstance(v, str) for v in data.get("failures", {}).values()):
+        raise bad("failures is not an object of texts")
+    try:
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad("text that is not valid Unicode") from None
+    metadata = data["metadata"]
+    for name in _TEXT_FIELDS:
+        if metadata.get(name) is not None and not isinstance(metadata[name], str):
+            raise bad(f"metadata.{name} is not a string")
+    problem = _signature_problem(metadata.get("signature"))
+    if problem:
+        raise bad(problem)
     for tokens, bucket in data["buckets"].items():
-        if not tokens.isdigit() or not isinstance(bucket, dict):
+        if not _BUCKET.fullmatch(tokens) or not isinstance(bucket, dict):
             raise bad(f"bucket {tokens!r} is not '<tokens>': {{...}}")
         config = bucket.get("config")
         if not isinstance(config, dict) or not _REQUIRED_CONFIG_FIELDS <= set(config) <= _CONFIG_FIELDS or \
@@ -196,19 +235,31 @@ def validate(data, where) -> dict:
         problem = malformed(KernelConfig(**config))
         if problem:
             raise bad(f"bucket {tokens}: config {problem}")
-        if not _number(bucket.get("time_us"), False) or not all(
-                _number(bucket.get(k), True) for k in ("default_time_us", "floor_pct")):
-            raise bad(f"bucket {tokens}: time_us, default_time_us or floor_pct is not a number")
-    return {"metadata": data["metadata"], "buckets": data["buckets"], "failures": data.get("failures", {})}
+        if not _number(bucket.get("time_us"), False, True) or not _number(bucket.get("default_time_us"), True, True) \
+                or not _number(bucket.get("floor_pct"), True, False):
+            raise bad(f"bucket {tokens}: time_us and default_time_us are not positive numbers, "
+                      "or floor_pct is not a number of at least 0")
+        candidates = bucket.get("candidates", 0)
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
+            raise bad(f"bucket {tokens}: candidates is not a count")
+    return {"metadata": metadata, "buckets": data["buckets"], "failures": data.get("failures", {})}
+
+
+def _parse(text: str):
+    """JSON text; ValueError also for nesting too deep for Python's parser."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _read_json(path: Path, missing: str, malformed: str):
     """JSON from path; TuningInputError "<path>: <missing>" or "<path>: <malformed with {error}>"."""
     try:
-        return json.loads(path.read_text())
+        return _parse(path.read_text())
     except FileNotFoundError:
         raise TuningInputError(f"{path}: {missing}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # unreadable, not UTF-8, not JSON, too deep, a number too long
         raise TuningInputError(f"{path}: {malformed.format(error=error)}") from None
 
 
@@ -223,8 +274,8 @@ def load_file(path: Path) -> dict:
 _warned: set[str] = set()
 
 
-def _warn_once(path: Path, error: Exception) -> None:
-    key = str(Path(path).resolve())
+def _warn_once(path: Path, error: Exception, key: str = "") -> None:
+    key = f"{Path(path).resolve()}:{key}"
     if key not in _warned:
         _warned.add(key)
         warnings.warn(f"ignored {error}", stacklevel=3)  # the error names the file
@@ -281,13 +332,22 @@ class TuningDb:
         return ((path, content) for path, content, differ in self._files(device_name, signature, template_names)
                 if not differ)
 
-    def lookup(self, device_name: str, signature: KernelSignature, tokens: int,
+    def lookup(self, target: GpuTarget, signature: KernelSignature, tokens: int,
                template_names: Iterable[str]) -> Optional[TunedEntry]:
-        for path, content in self._compatible(device_name, signature, list(template_names)):
+        """The first entry for the bucket whose config can run on the target; one that cannot (a
+        hand-edited file) is warned about and passed over."""
+        for path, content in self._compatible(target.name, signature, list(template_names)):
             bucket = content["buckets"].get(str(tokens))
-            if bucket is not None:
-                return TunedEntry(KernelConfig(**bucket["config"]), bucket["time_us"],
-                                  bucket.get("default_time_us"), bucket.get("floor_pct"), path)
+            if bucket is None:
+                continue
+            config = KernelConfig(**bucket["config"])
+            problem = violation(config, signature, target)
+            if problem:
+                _warn_once(path, TuningInputError(f"{path}: bucket {tokens}: config {problem}; "
+                                                  f"`moegen tune SPEC --buckets {tokens} --force` replaces it"),
+                           key=f"{tokens}")
+                continue
+            return TunedEntry(config, bucket["time_us"], bucket.get("default_time_us"), bucket.get("floor_pct"), path)
         return None
 
     def previous(self, device_name: str, signature: KernelSignature, tokens: int,
@@ -307,31 +367,35 @@ class TuningDb:
             merged = {**content["failures"], **merged}
         return merged
 
-    def explain(self, device_name: str, signature: KernelSignature, tokens: int,
+    def explain(self, target: GpuTarget, signature: KernelSignature, tokens: int,
                 template_names: Iterable[str]) -> list[str]:
         """Why each directory did not answer: for the strict-mode error message."""
-        want = current_metadata(device_name, signature, template_names)
+        want = current_metadata(target.name, signature, template_names)
         notes = []
         for directory in self.dirs:
-            path = directory / db_file_name(device_name, signature)
+            path = directory / db_file_name(target.name, signature)
             try:
                 content = load_file(path)
             except TuningInputError as error:
                 notes.append(f"{directory}: " + ("no file" if not path.exists() else f"corrupt ({error})"))
                 continue
             stale = differences(DbMetadata.from_dict(content["metadata"]), want)
-            notes.append(f"{directory}: " + (f"stale ({', '.join(stale)})" if stale else f"no bucket {tokens}"))
+            bucket = content["buckets"].get(str(tokens))
+            problem = bucket and violation(KernelConfig(**bucket["config"]), signature, target)
+            notes.append(f"{directory}: " + (f"stale ({', '.join(stale)})" if stale else
+                                             f"bucket {tokens}'s config {problem}" if problem else
+                                             f"no bucket {tokens}"))
         return notes
 
 
-def resolve(db: TuningDb, device_name: str, signature: KernelSignature, tokens: int,
+def resolve(db: TuningDb, target: GpuTarget, signature: KernelSignature, tokens: int,
             template_names: Iterable[str], spec_path) -> Optional[TunedEntry]:
     """db.lookup, except that a miss is MissingTunedConfigError when MOEGEN_REQUIRE_TUNED is set."""
     template_names = list(template_names)
-    entry = db.lookup(device_name, signature, tokens, template_names)
+    entry = db.lookup(target, signature, tokens, template_names)
     if entry is None and knobs.require_tuned():
-        raise MissingTunedConfigError(device_name, signature, tokens, db.dirs, spec_path,
-                                      db.explain(device_name, signature, tokens, template_names))
+        raise MissingTunedConfigError(target.name, signature, tokens, db.dirs, spec_path,
+                                      db.explain(target, signature, tokens, template_names))
     return entry
 
 
@@ -392,6 +456,15 @@ def check_writable(directory: Path, metadata: DbMetadata) -> None:
         _refuse_other_inputs(path, DbMetadata.from_dict(disk["metadata"]), metadata)
 
 
+def _aside(path: Path) -> Path:
+    """Where a corrupt file goes: <name>.corrupt, or .corrupt.N beside earlier ones."""
+    aside, n = path.with_name(path.name + ".corrupt"), 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.corrupt.{n}")
+    return aside
+
+
 def merge_file(path: Path, content: dict) -> bool:
     """Merge `content` (a valid tuning file) into `path`; returns True if the file changed.
 
@@ -407,10 +480,14 @@ def merge_file(path: Path, content: dict) -> bool:
         old_text = None
         if path.exists():
             try:
-                old_text = path.read_text()
-                disk = validate(json.loads(old_text), path)
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, TuningInputError) as error:
-                aside = path.with_name(path.name + ".corrupt")
+                old_text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+            except OSError as error:  # not a file moegen could read: nothing to judge, nothing moved
+                raise TuningInputError(f"{path}: cannot read it ({error.strerror}); fix its permissions or move "
+                                       "it aside, then run the command again") from None
+            try:
+                disk = validate(_parse(old_text), path)
+            except (ValueError, TuningInputError) as error:
+                aside = _aside(path)
                 warnings.warn(f"tuning file {path} is corrupt ({error}); moved it to {aside.name} "
                               "and wrote the new results", stacklevel=3)
                 os.replace(path, aside)
@@ -458,11 +535,29 @@ def export_bundle(directory: Path) -> dict:
     return {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "files": files}
 
 
-def _check_name(name, where) -> None:
+def _check_name(name, content: dict, where) -> None:
+    """A plain tuning-file name, and the one its content's device and signature give where known."""
     if not isinstance(name, str) or not name.endswith(".json") or name.startswith(".") or \
-            Path(name).name != name:
+            Path(name).name != name or len(name.encode()) > 255:
         raise TuningInputError(f"{where}: file name {name!r} is not a plain '<key>__<device>.json' name; "
                                "create bundles with `moegen cache export`")
+    metadata = content["metadata"]
+    signature = metadata.get("signature") or {}
+    if metadata.get("device") is None or set(signature) != set(_SIGNATURE_TYPES) or None in signature.values():
+        return
+    expected = db_file_name(metadata["device"], KernelSignature(**signature))
+    if name != expected:
+        raise TuningInputError(f"{where}: {name} holds the results of {expected} (its metadata's device and "
+                               "signature); lookups would never find them. Rename it, or export it again")
+
+
+def is_bundle(path: Path) -> bool:
+    """Whether path holds a tuning bundle, of any version (what `cache export -o` may replace)."""
+    try:
+        data = _read_json(Path(path), "", "")
+    except TuningInputError:
+        return False
+    return isinstance(data, dict) and data.get("format") == BUNDLE_FORMAT
 
 
 def read_bundle(path: Path) -> dict[str, dict]:
@@ -473,12 +568,14 @@ def read_bundle(path: Path) -> dict[str, dict]:
     if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT or not isinstance(data.get("files"), dict):
         raise TuningInputError(f"{path}: not a moegen tuning bundle (expected \"format\": "
                                f"\"{BUNDLE_FORMAT}\" and a \"files\" object); {fix}")
-    if data.get("version") != BUNDLE_VERSION:
+    if type(data.get("version")) is not int or data["version"] != BUNDLE_VERSION:
         raise TuningInputError(f"{path}: bundle version {data.get('version')!r}, this moegen reads "
                                f"version {BUNDLE_VERSION}; export it again with this moegen")
-    for name in data["files"]:
-        _check_name(name, path)
-    return {name: validate(content, f"{path}: {name}") for name, content in data["files"].items()}
+    files = {}
+    for name, content in data["files"].items():
+        files[name] = validate(content, f"{path}: {name}")
+        _check_name(name, files[name], path)
+    return files
 
 
 def read_dir(directory: Path) -> dict[str, dict]:
@@ -486,4 +583,7 @@ def read_dir(directory: Path) -> dict[str, dict]:
     directory = Path(directory)
     if not directory.is_dir():
         raise TuningInputError(f"{directory}: no such directory; pass a folder of tuning files")
-    return {path.name: load_file(path) for path in db_files(directory)}
+    files = {path.name: load_file(path) for path in db_files(directory)}
+    for name, content in files.items():
+        _check_name(name, content, directory)
+    return files

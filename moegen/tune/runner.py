@@ -260,7 +260,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
 
     db = tuning_db.TuningDb()
     wanted = list(buckets or spec.workload.token_buckets)
-    entries = {t: db.lookup(gpu.name, ir.signature, t, KERNEL_TEMPLATES) for t in wanted}
+    entries = {t: db.lookup(gpu, ir.signature, t, KERNEL_TEMPLATES) for t in wanted}
     known = {t for t in wanted if not force and entries[t]}
     todo = [t for t in wanted if t not in known]
     target_dir = Path(save_dir) if save_dir else db.dirs[0]
