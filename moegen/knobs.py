@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 
 from moegen.errors import SettingError
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -31,23 +31,37 @@ def _switch(name: str, meaning: str) -> Optional[bool]:
 
 
 def _folder(name: str, must_exist: bool) -> Optional[Path]:
+    """A folder variable's path (~ expanded); unless must_exist, one that can still be created."""
     value = _value(name)
     if not value:
         return None
-    path = Path(value)
-    if path.is_dir() or (not must_exist and not path.exists()):
-        return path
-    problem = "is a file, not a folder" if path.exists() else "no such folder"
+    path = Path(value).expanduser()
+    try:
+        if path.is_dir():
+            if os.access(path, os.R_OK | os.X_OK):
+                return path
+            problem = "a folder moegen may not read"
+        elif path.exists():
+            problem = "is a file, not a folder"
+        elif must_exist:
+            problem = "no such folder"
+        else:
+            above = next(parent for parent in path.parents if parent.exists())  # "/" at worst
+            if above.is_dir():
+                return path
+            problem = f"{above} is a file, not a folder"
+    except OSError as error:  # a name too long, a loop of links, a folder on the way not searchable
+        problem = f"unusable ({error.strerror})"
     raise SettingError(name, value, problem, "point it at a folder, or unset it")
 
 
 def template_dir() -> Path:
     """MOEGEN_TEMPLATE_DIR (a copy of templates/, edited), else the repository's templates/ folder."""
-    shipped = _REPO_ROOT / "templates"
     folder = _folder("MOEGEN_TEMPLATE_DIR", must_exist=True)
     if folder is None:
-        return shipped
-    missing = sorted({p.name for p in shipped.glob("*.jinja")} - {p.name for p in folder.glob("*.jinja")})
+        return SHIPPED_TEMPLATES
+    missing = sorted({p.name for p in SHIPPED_TEMPLATES.glob("*.jinja")}
+                     - {p.name for p in folder.glob("*.jinja") if p.is_file()})
     if missing:
         raise SettingError("MOEGEN_TEMPLATE_DIR", str(folder), f"lacks {', '.join(missing)}",
                            "copy every template of templates/ there, or unset it")
@@ -77,7 +91,7 @@ def route_align_max_tokens() -> Optional[int]:
     value = _value("MOEGEN_ROUTE_ALIGN_MAX_TOKENS")
     if not value:
         return None
-    if value.isdecimal():
+    if value.isdecimal() and len(value) <= 9:
         return int(value)
     raise SettingError("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", value, "not a token count",
                        "set it to a whole number of tokens (0: always the multi-program pair), or unset it")

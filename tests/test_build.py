@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +196,9 @@ def test_cli_exit_codes_and_no_traceback(argv, code, needle):
     ("MOEGEN_TUNED_CONFIG_DIR", "{tmp}/tiny/manifest.json", "is a file, not a folder"),
     ("MOEGEN_TEMPLATE_DIR", "{tmp}/absent", "no such folder"),
     ("MOEGEN_TEMPLATE_DIR", "{tmp}/tiny", "lacks configs.py.jinja"),
+    ("MOEGEN_TUNED_CONFIG_DIR", "{tmp}/tiny/manifest.json/db", "{tmp}/tiny/manifest.json is a file, not a folder"),
+    ("MOEGEN_TUNED_CONFIG_DIR", "{tmp}/" + "a" * 300, "unusable (File name too long)"),
+    ("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "1" * 5000, "not a token count"),
 ])
 def test_bad_environment_variable_is_a_clear_error_and_changes_nothing(tmp_path, capsys, name, value, needle):
     from moegen import knobs
@@ -205,7 +209,28 @@ def test_bad_environment_variable_is_a_clear_error_and_changes_nothing(tmp_path,
     value = value.format(tmp=tmp_path)
     with knobs.scope(**{name: value}):
         assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 2
-    assert f"{name}={value!r}: {needle}" in capsys.readouterr().err
+    assert f"{name}={value!r}: {needle.format(tmp=tmp_path)}" in capsys.readouterr().err
+    assert _tree(tmp_path / "tiny") == before
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ("{% if %}", "moe_gate_up.py.jinja line {line}: Expected an expression"),
+    ("{{ no_such_value }}", "moe_gate_up.py.jinja: 'no_such_value' is undefined"),
+])
+def test_broken_template_is_a_clear_error_and_changes_nothing(tmp_path, capsys, edit, needle):
+    from moegen import knobs
+
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 0
+    before = _tree(tmp_path / "tiny")
+    templates = tmp_path / "templates"
+    shutil.copytree(REPO / "templates", templates)
+    template = templates / "moe_gate_up.py.jinja"
+    template.write_text(template.read_text() + edit + "\n")
+    capsys.readouterr()
+    with knobs.scope(MOEGEN_TEMPLATE_DIR=str(templates)):
+        assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 2
+    line = len(template.read_text().splitlines())
+    assert f"MOEGEN_TEMPLATE_DIR={str(templates)!r}: {needle.format(line=line)}" in capsys.readouterr().err
     assert _tree(tmp_path / "tiny") == before
 
 

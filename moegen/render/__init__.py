@@ -10,6 +10,7 @@ from pathlib import Path
 import jinja2
 
 from moegen import knobs
+from moegen.errors import SettingError
 
 ROUTE_ALIGN_TEMPLATE = "moe_route_align.py.jinja"
 GATE_UP_TEMPLATE = "moe_gate_up.py.jinja"
@@ -34,7 +35,14 @@ def environment() -> jinja2.Environment:
 
 
 def render(template_name: str, **values) -> str:
-    return environment().get_template(template_name).render(**values)
+    try:
+        return environment().get_template(template_name).render(**values)
+    except (jinja2.TemplateError, UnicodeDecodeError) as error:
+        if knobs.template_dir() == knobs.SHIPPED_TEMPLATES:
+            raise  # moegen's own templates: a bug, with its traceback
+        line = f" line {error.lineno}" if isinstance(error, jinja2.TemplateSyntaxError) else ""
+        raise SettingError("MOEGEN_TEMPLATE_DIR", str(knobs.template_dir()),
+                           f"{template_name}{line}: {error}", "fix the template, or unset it") from None
 
 
 def template_hashes() -> dict[str, str]:
