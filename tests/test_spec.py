@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import keyword
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -112,7 +113,16 @@ CASES = [
     Case("zero_expert_memory", BASE + "target:\n  expert_memory_gib: 0\n", "target.expert_memory_gib", "greater than 0", 8),
     Case("expert_memory_below_top_k", BASE + "target:\n  expert_memory_gib: 0.00001\n", "target.expert_memory_gib", "holds 0 experts", 8),
     Case("expert_memory_over_gpu", BASE + "target:\n  gpu: l4\n  expert_memory_gib: 40\n", "target.expert_memory_gib", "more than the l4's"),
-    Case("negative_override", BASE + "target:\n  hbm_gbps: -1\n", "target.hbm_gbps", "greater than 0"),
+    Case("negative_override", BASE + "target:\n  hbm_gbps: -1\n", "target.hbm_gbps", "at least 0.01"),
+    Case("override_too_slow", BASE + "target:\n  host_link_gbps: 1.0e-310\n", "target.host_link_gbps", "at least 0.01"),
+    Case("override_too_fast", BASE + "target:\n  bf16_tflops: 1.0e+300\n", "target.bf16_tflops", "larger than"),
+    Case("float_of_many_digits", BASE + "  routed_scaling_factor: 1" + "0" * 400 + "\n", "model.routed_scaling_factor",
+         "expected a finite number"),
+    Case("integer_of_many_digits", BASE.replace("hidden_size: 64", "hidden_size: 1" + "0" * 5000),
+         "model.hidden_size", "is too large"),
+    Case("nested_too_deep", "name: t\nmodel: " + "[" * 2000 + "]" * 2000 + "\n", "", "nested too deeply"),
+    Case("tagged_mapping", "name: t\nmodel: !!omap [a: 1]\n", "model", "a list tagged 'omap'"),
+    Case("key_with_escape", BASE + "  \"a\\x1bb\": 1\n", "model.a\\x1bb", "unknown key 'a\\x1bb'"),
     # token buckets
     Case("empty_buckets", BASE + "workload:\n  token_buckets: []\n", "workload.token_buckets", "empty", 8),
     Case("unsorted_buckets", BASE + "workload:\n  token_buckets: [1, 8, 4]\n", "workload.token_buckets[2]", "sort them ascending"),
@@ -181,6 +191,15 @@ def test_missing_file(tmp_path):
 def test_directory_is_unreadable(tmp_path):
     with pytest.raises(SpecError, match="is a directory"):
         load_spec(tmp_path)
+
+
+def test_pipes_and_devices_are_not_read(tmp_path):
+    """A pipe would block the loader and a device never end: both refused before reading."""
+    pipe = tmp_path / "spec.yaml"
+    os.mkfifo(pipe)
+    for path in (pipe, Path("/dev/zero")):
+        with pytest.raises(SpecError, match="not a regular file"):
+            load_spec(path)
 
 
 def test_not_utf8(tmp_path):

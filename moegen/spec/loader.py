@@ -14,7 +14,9 @@ import dataclasses
 import difflib
 import keyword
 import math
+import os
 import re
+import stat
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,9 @@ class _Bound:
 
 
 _POSITIVE = _Bound(0, open_lo=True)
+# A rate override: slower than any device (the interpreter target's 0.01) or a million times
+# faster than today's is a typo, and would give the planner infinite or zero times.
+_RATE = _Bound(0.01, 1e6, "10^6, a thousand times today's fastest GPU")
 _BOUNDS: dict[str, _Bound] = {
     "model.hidden_size": _Bound(1, MAX_DIM, "MAX_DIM = 2^20"),
     "model.intermediate_size": _Bound(1, MAX_DIM, "MAX_DIM = 2^20"),
@@ -64,13 +69,13 @@ _BOUNDS: dict[str, _Bound] = {
     "model.num_layers": _Bound(1, MAX_LAYERS, "MAX_LAYERS = 4096"),
     "model.n_group": _Bound(1, MAX_EXPERTS, "MAX_EXPERTS = 65536"),
     "model.topk_group": _Bound(1, MAX_EXPERTS, "MAX_EXPERTS = 65536"),
-    "model.routed_scaling_factor": _POSITIVE,
+    "model.routed_scaling_factor": _Bound(0, 1e6, "10^6", open_lo=True),
     "model.num_shared_experts": _Bound(0, MAX_SHARED_EXPERTS, "MAX_SHARED_EXPERTS = 64"),
     "model.shared_intermediate_size": _Bound(0, MAX_DIM, "MAX_DIM = 2^20"),
     "target.expert_memory_gib": _POSITIVE,
-    "target.hbm_gbps": _POSITIVE,
-    "target.bf16_tflops": _POSITIVE,
-    "target.host_link_gbps": _POSITIVE,
+    "target.hbm_gbps": _RATE,
+    "target.bf16_tflops": _RATE,
+    "target.host_link_gbps": _RATE,
     "target.sm_count": _Bound(1, MAX_SM_COUNT, "MAX_SM_COUNT = 1024"),
     "workload.token_buckets[]": _Bound(1, MAX_TOKENS, "MAX_TOKENS = 2^20"),
 }
@@ -100,17 +105,21 @@ def load_spec(path) -> Spec:
     """Read, parse and validate a spec file; raises SpecError naming file, line, field and fix."""
     filename = str(path)
     try:
-        raw = Path(path).read_bytes()
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise SpecError(filename, "", "is a directory", "pass the path of a .yaml spec file")
+        if not stat.S_ISREG(mode):  # a pipe would block, a device never end
+            raise SpecError(filename, "", "not a regular file", "pass the path of a .yaml spec file")
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_SPEC_BYTES + 1)
     except FileNotFoundError:
         raise SpecError(filename, "", "file not found",
                         "check the path (relative paths start at the current directory)") from None
-    except IsADirectoryError:
-        raise SpecError(filename, "", "is a directory", "pass the path of a .yaml spec file") from None
     except OSError as exc:
         raise SpecError(filename, "", f"cannot read the file ({exc.strerror or exc})",
                         "check that it exists and is readable") from None
     if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError(filename, "", f"file is {len(raw)} bytes, over the {MAX_SPEC_BYTES} byte limit",
+        raise SpecError(filename, "", f"file is over the {MAX_SPEC_BYTES} byte limit",
                         "a spec is a few dozen lines; check that this is the right file")
     try:
         text = raw.decode("utf-8-sig")  # -sig: tolerate a byte-order mark from Windows editors
@@ -146,6 +155,9 @@ def _compose(text: str, filename: str) -> MappingNode:
             fix = "fix the YAML syntax here (indentation, ':' after keys, matching quotes and brackets)"
         line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
         raise SpecError(filename, "", f"invalid YAML: {problem}", fix, line, col) from None
+    except RecursionError:
+        raise SpecError(filename, "", "invalid YAML: nested too deeply",
+                        "a spec nests its fields two levels deep; check the brackets") from None
     except yaml.reader.ReaderError as exc:  # a control character; the reader knows only its offset
         before = text[: exc.position]
         line, col = before.count("\n") + 1, exc.position - (before.rfind("\n") + 1) + 1
@@ -194,12 +206,13 @@ class _Walker:
                           "write keys as plain words followed by ':'")
             key, sub = key_node.value, _join(path, key_node.value)
             if key in first_line:
-                self.fail(sub, key_node, f"duplicate key {key!r} (first set on line {first_line[key]})",
-                          "keep only one of them")
+                self.fail(_join(path, _short(key)), key_node,
+                          f"duplicate key '{_short(key)}' (first set on line {first_line[key]})", "keep only one of them")
             first_line[key] = _pos(key_node)[0]
             self.key_positions[sub] = _pos(key_node)
             if key not in fields:
-                self.fail(sub, key_node, f"unknown key {key!r}", _unknown_key_fix(key, cls, hints, path))
+                self.fail(_join(path, _short(key)), key_node, f"unknown key '{_short(key)}'",
+                          _unknown_key_fix(key, cls, hints, path))
             self.positions[sub] = _pos(value_node)
             values[key] = self.convert(hints[key], value_node, sub, fields[key].default)
         for f in fields.values():
@@ -240,13 +253,18 @@ class _Walker:
                       _type_fix(hint, kind, node, default))
         try:
             value = self._constructor.construct_object(node)
-        except (ValueError, KeyError, yaml.YAMLError):  # e.g. `!!int abc`
-            self.fail(path, node, f"{node.value!r} is not {_expected(hint)}",
+        except (ValueError, KeyError, yaml.YAMLError):  # e.g. `!!int abc`, or thousands of digits
+            if kind == "int":
+                self.fail(path, node, f"{_short(node.value)} is too large", f"write {_expected(hint)} of a few digits")
+            self.fail(path, node, f"'{_short(node.value)}' is not {_expected(hint)}",
                       f"write {_expected(hint)}")
         if hint is float:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                value = math.inf
             if not math.isfinite(value):
-                self.fail(path, node, f"expected a finite number, got {node.value}", "write a finite number")
+                self.fail(path, node, f"expected a finite number, got {_short(node.value)}", "write a finite number")
         return value
 
     def check(self, path: str, value: Any, node: Node) -> None:
@@ -316,11 +334,18 @@ def _kind(node: Node) -> str:
     return node.tag.removeprefix(_YAML_TAG)
 
 
+def _short(text: str) -> str:
+    """A value as messages quote it: at most 40 characters, control characters escaped."""
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _describe(node: Node) -> str:
     kind = _kind(node)
     if kind in ("mapping", "list"):
-        return f"a {kind}"
-    text = node.value if len(node.value) <= 40 else node.value[:37] + "..."
+        plain = node.tag in (_MAP_TAG, _SEQ_TAG)
+        return f"a {kind}" if plain else f"a {kind} tagged {_short(node.tag.removeprefix(_YAML_TAG))!r}"
+    text = _short(node.value)
     return {
         "null": "null",
         "bool": f"a boolean ({text})",
