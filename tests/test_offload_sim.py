@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import random
+import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +194,14 @@ BAD_TRACES = (
     BadTrace("repeated-id", tokens=({"seq": 0, "experts": [[4, 4], [2, 3]]},), line=2, words=("repeat",)),
     BadTrace("no-seq", tokens=({"experts": [[0, 1], [2, 3]]},), line=2, words=("seq",)),
     BadTrace("no-tokens", tokens=(), line=2, words=("no tokens",)),
+    # beyond what numpy and Python's JSON parser take
+    BadTrace("seq-beyond-int64", tokens=({"seq": 1 << 63, "experts": [[0, 1], [2, 3]]},), line=2, words=("seq",)),
+    BadTrace("id-beyond-int64", tokens=({"seq": 0, "experts": [[0, 1 << 64], [2, 3]]},), line=2,
+             words=("layer 0", "out of range")),
+    BadTrace("nested-too-deep", tokens=(GOOD_TOKEN, "[" * 100_000 + "]" * 100_000), line=3, words=("too deeply",)),
+    BadTrace("number-too-long", tokens=('{"seq": 1' + "0" * 5000 + ', "experts": [[0, 1], [2, 3]]}',), line=2,
+             words=("JSON",)),
+    BadTrace("version-true", header={"version": True}, line=1, words=("version",)),
 )
 
 
@@ -209,9 +218,13 @@ def test_bad_trace_is_reported_with_file_line_and_fix(tmp_path, case):
         assert word in message, (word, message)
 
 
-@pytest.mark.parametrize("name, problem", [("absent.jsonl.gz", "no such file"), (".", "a folder, not a file")])
+@pytest.mark.parametrize("name, problem", [("absent.jsonl.gz", "no such file"), (".", "a folder, not a file"),
+                                           ("pipe.jsonl.gz", "not a regular file"),
+                                           ("a" * 300 + ".jsonl.gz", "cannot read it (File name too long)")])
 def test_trace_path_that_is_no_file(tmp_path, name, problem):
-    with pytest.raises(TraceError, match=problem):
+    if name.startswith("pipe"):
+        os.mkfifo(tmp_path / name)  # reading would block
+    with pytest.raises(TraceError, match=re.escape(problem)):
         load_trace(tmp_path / name)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import stat
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from moegen.errors import MoegenError
 TRACE_FORMAT = "moegen-trace"
 TRACE_VERSION = 1
 _HEADER_INTS = ("num_layers", "num_experts", "top_k")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class TraceError(MoegenError):
@@ -46,7 +49,7 @@ class Trace:
     source: str
     note: str
     experts: np.ndarray  # [tokens, num_layers, top_k] int16, read-only; order as recorded
-    seq: np.ndarray  # [tokens] int32, read-only: the sequence each token belongs to
+    seq: np.ndarray  # [tokens] int64, read-only: the sequence each token belongs to
 
     @property
     def num_tokens(self) -> int:
@@ -61,18 +64,24 @@ class Trace:
 def load_trace(path) -> Trace:
     """Read and check a trace; raises TraceError (exit code 2) naming the file, line and fix."""
     path = Path(path)
+    fix = "pass the path of a moegen-trace .jsonl.gz file"
     try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise TraceError(path, 0, "a folder, not a file", fix)
+        if not stat.S_ISREG(mode):  # a pipe would block, a device never end
+            raise TraceError(path, 0, "not a regular file", fix)
         with gzip.open(path, "rt", encoding="utf-8") as handle:
             lines = handle.read().splitlines()
     except FileNotFoundError:
-        raise TraceError(path, 0, "no such file", "pass the path of a moegen-trace .jsonl.gz file") from None
-    except IsADirectoryError:
-        raise TraceError(path, 0, "a folder, not a file", "pass the path of a moegen-trace .jsonl.gz file") from None
+        raise TraceError(path, 0, "no such file", fix) from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as error:
         raise TraceError(path, 0, f"not a complete gzip file ({error})",
                          "a trace is gzip'd JSON Lines: compress it with `gzip FILE.jsonl`") from None
     except UnicodeDecodeError as error:
         raise TraceError(path, 0, f"not UTF-8 text ({error.reason})", "write the trace as UTF-8 JSON Lines") from None
+    except OSError as error:  # no permission, a loop of links, a name too long
+        raise TraceError(path, 0, f"cannot read it ({error.strerror or error})", fix) from None
     if not lines:
         raise TraceError(path, 1, "empty file", "line 1 must be the moegen-trace header")
 
@@ -88,7 +97,7 @@ def load_trace(path) -> Trace:
         experts, seq = [], []
         for number, text in body:
             token = _parse(path, number, text)
-            experts.append(_check_token(path, number, token, layers, top_k))
+            experts.append(_check_token(path, number, token, layers, num_experts, top_k))
             seq.append(token["seq"])
         ids = np.asarray(experts, dtype=np.int64)
 
@@ -104,7 +113,7 @@ def load_trace(path) -> Trace:
         raise TraceError(path, numbers[token], f"layer {layer}: expert ids {ids[token, layer].tolist()} repeat an id",
                          f"each layer lists top_k={top_k} distinct experts")
     expert_array = ids.astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
-    seq_array = np.asarray(seq, dtype=np.int32)
+    seq_array = np.asarray(seq, dtype=np.int64)
     expert_array.setflags(write=False)
     seq_array.setflags(write=False)
     return Trace(path=str(path), model=str(header.get("model", "")), num_layers=layers,
@@ -120,9 +129,9 @@ def _fast_parse(body: list, layers: int, top_k: int):
         ids = np.asarray([token["experts"] for token in tokens])
         seq = [token["seq"] for token in tokens]
         seq_kind = np.asarray(seq).dtype.kind
-    except (ValueError, TypeError, KeyError):  # bad JSON, ragged rows, a non-object line
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError):  # bad JSON, ragged rows, ...
         return None, None
-    if ids.shape != (len(body), layers, top_k) or ids.dtype.kind not in "iu" or seq_kind not in "iu":
+    if ids.shape != (len(body), layers, top_k) or ids.dtype.kind != "i" or seq_kind != "i":  # uint64: >= 2^63
         return None, None
     return ids.astype(np.int64), seq
 
@@ -133,6 +142,9 @@ def _parse(path: Path, number: int, text: str) -> dict:
     except json.JSONDecodeError as error:
         raise TraceError(path, number, f"bad JSON at column {error.colno}: {error.msg}",
                          "each line must be one complete JSON object") from None
+    except (ValueError, RecursionError) as error:  # a number of thousands of digits, nesting too deep
+        problem = "JSON nested too deeply" if isinstance(error, RecursionError) else f"bad JSON ({error})"
+        raise TraceError(path, number, problem, "each line must be one JSON object of integers") from None
     if not isinstance(value, dict):
         raise TraceError(path, number, f"expected a JSON object, got {type(value).__name__}",
                          "each line must be one JSON object")
@@ -143,7 +155,7 @@ def _check_header(path: Path, header: dict) -> None:
     if header.get("format") != TRACE_FORMAT:
         raise TraceError(path, 1, f"header format is {header.get('format')!r}, not {TRACE_FORMAT!r}",
                          f'line 1 must be the header {{"format": "{TRACE_FORMAT}", "version": {TRACE_VERSION}, ...}}')
-    if header.get("version") != TRACE_VERSION:
+    if type(header.get("version")) is not int or header["version"] != TRACE_VERSION:
         raise TraceError(path, 1, f"trace version {header.get('version')!r} is not supported",
                          f"this moegen reads version {TRACE_VERSION}; convert the file or upgrade moegen")
     for key in _HEADER_INTS:
@@ -155,10 +167,11 @@ def _check_header(path: Path, header: dict) -> None:
                          "top_k is the number of experts each token picks per layer")
 
 
-def _check_token(path: Path, number: int, token: dict, layers: int, top_k: int) -> list:
+def _check_token(path: Path, number: int, token: dict, layers: int, num_experts: int, top_k: int) -> list:
     seq = token.get("seq")
-    if isinstance(seq, bool) or not isinstance(seq, int):
-        raise TraceError(path, number, f"seq is {seq!r}", "give each token an integer seq (its sequence id)")
+    if isinstance(seq, bool) or not isinstance(seq, int) or not _INT64_MIN <= seq <= _INT64_MAX:
+        raise TraceError(path, number, f"seq is {_short(seq)}",
+                         "give each token an integer seq (its sequence id) of at most 18 digits")
     experts = token.get("experts")
     if not isinstance(experts, list) or len(experts) != layers:
         got = len(experts) if isinstance(experts, list) else repr(experts)
@@ -170,6 +183,16 @@ def _check_token(path: Path, number: int, token: dict, layers: int, top_k: int) 
             raise TraceError(path, number, f"layer {layer} has {got} expert ids, the header says top_k {top_k}",
                              "list exactly top_k expert ids per layer")
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in row):
-            raise TraceError(path, number, f"layer {layer}: expert ids {row} are not all integers",
+            raise TraceError(path, number, f"layer {layer}: expert ids {_short(row)} are not all integers",
                              "expert ids are integers in 0..num_experts-1")
+        wrong = next((e for e in row if not 0 <= e < num_experts), None)
+        if wrong is not None:
+            raise TraceError(path, number, f"layer {layer}: expert id {_short(wrong)} out of range",
+                             f"ids must lie in 0..{num_experts - 1} (num_experts {num_experts} in the header)")
     return experts
+
+
+def _short(value) -> str:
+    """A value as messages quote it: at most 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
