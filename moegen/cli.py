@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
 from pathlib import Path
 
 from moegen import knobs
-from moegen.errors import MoegenError
+from moegen.errors import MoegenError, UsageError
 from moegen.offload.simulate_cli import add_simulate_parser
 from moegen.tune.cache_cli import add_cache_parser
-
-
-class UsageError(MoegenError):
-    exit_code = 2
 
 
 def _cmd_validate(args) -> int:
@@ -41,10 +38,20 @@ def _buckets(text: str | None):
 
 def _output_folder(text: str) -> Path:
     """-o: a folder, created if missing; checked before a tune or build spends any time."""
+    fix = "pass a folder (created if missing)"
+    if not text.strip():
+        raise UsageError(f"-o {text!r}: empty; {fix}")
     path = Path(text)
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"-o {text}: {existing} is a file, not a folder; pass a folder (created if missing)")
+    try:
+        existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+        if existing.is_symlink() and not existing.exists():
+            raise UsageError(f"-o {text}: {existing} is a link to nothing; {fix}")
+        if not existing.is_dir():
+            raise UsageError(f"-o {text}: {existing} is a file, not a folder; {fix}")
+    except OSError as error:  # a name too long, a loop of links
+        raise UsageError(f"-o {text}: unusable ({error.strerror}); {fix}") from None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"-o {text}: {existing} is a folder moegen may not write to; build elsewhere")
     return path
 
 

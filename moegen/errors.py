@@ -8,6 +8,12 @@ class MoegenError(Exception):
     exit_code = 1
 
 
+class UsageError(MoegenError):
+    """A command asked for something it cannot do with these arguments or on this machine."""
+
+    exit_code = 2
+
+
 class SpecError(MoegenError):
     """A problem in a spec file: FILE:LINE:COL: field.path: what is wrong; how to fix it."""
 

@@ -49,6 +49,19 @@ def test_rebuild_with_same_inputs_writes_nothing(tmp_path, capsys):
     assert manifest.stat().st_mtime_ns == before
 
 
+def test_output_folder_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    """A folder the build may not create files in (read-only, a system folder): exit 2 naming it."""
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 2
+    assert f"{tmp_path}: cannot write there (Permission denied); build elsewhere" in capsys.readouterr().err
+    assert not (tmp_path / "tiny").exists()
+
+
 def test_failed_build_leaves_previous_output_untouched(tmp_path, monkeypatch):
     assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 0
     before = _tree(tmp_path / "tiny")
@@ -180,6 +193,9 @@ def test_a_package_this_moegen_cannot_run_says_rebuild(tmp_path, damage, needle)
     (["build", "does/not/exist.yaml"], 2, "does/not/exist.yaml"),
     (["build", str(TINY), "-o", "README.md/generated"], 2, "README.md is a file, not a folder"),
     (["tune", str(TINY), "--buckets", "8,0"], 2, "--buckets '8,0'"),
+    (["build", str(TINY), "-o", ""], 2, "-o '': empty"),
+    (["build", str(TINY), "-o", "/tmp/" + "a" * 300], 2, "unusable (File name too long)"),
+    (["plan", str(TINY), "--trace", "/tmp/" + "a" * 300], 2, "cannot read it (File name too long)"),
 ])
 def test_cli_exit_codes_and_no_traceback(argv, code, needle):
     result = subprocess.run([sys.executable, "-m", "moegen", *argv], cwd=REPO, capture_output=True, text=True)

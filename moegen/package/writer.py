@@ -50,8 +50,12 @@ def write_package(folder: Path, files: dict[str, str | bytes]) -> bool:
     check_destination(folder)
     if _same_content(folder, files):
         return False
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
+    except OSError as error:  # read-only, a system folder, a name too long
+        raise OutputError(f"{folder.parent}: cannot write there ({error.strerror}); build elsewhere with "
+                          "-o DIR") from None
     retired = None
     try:
         for name, content in files.items():

@@ -6,6 +6,7 @@ the spec (per-expert bytes, per-layer decode compute time on the target) so REPO
 """
 from __future__ import annotations
 
+import heapq
 import math
 from pathlib import Path
 from dataclasses import asdict, dataclass
@@ -69,13 +70,20 @@ def _allocate(total: int, layers: int, top_k: int, experts: int,
             extra = min(experts - top_k, spare // layers + (1 if layer < spare % layers else 0))
             slots[layer] += extra
         return slots
-    shares = [sorted((p / max(sum(row), 1e-12) for p in row), reverse=True) for row in popularity]
+    shares = []
+    for row in popularity:
+        total_row = max(sum(row), 1e-12)
+        shares.append(sorted((p / total_row for p in row), reverse=True))
+    # Each layer's next slot, best gain first (ties to the lower layer).
+    next_gain = [(-shares[l][slots[l]], l) for l in range(layers) if slots[l] < experts]
+    heapq.heapify(next_gain)
     for _ in range(max(spare, 0)):
-        gains = [shares[l][slots[l]] if slots[l] < experts else -1.0 for l in range(layers)]
-        best = max(range(layers), key=lambda l: (gains[l], -l))
-        if gains[best] < 0:
+        if not next_gain:
             break
+        _, best = heapq.heappop(next_gain)
         slots[best] += 1
+        if slots[best] < experts:
+            heapq.heappush(next_gain, (-shares[best][slots[best]], best))
     return slots
 
 

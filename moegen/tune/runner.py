@@ -15,7 +15,7 @@ from typing import Callable, Optional, TextIO
 import torch
 
 from moegen import reference
-from moegen.errors import MoegenError
+from moegen.errors import MoegenError, UsageError
 from moegen.ir import ModelIR, lower
 from moegen.package.sources import render_sources, tool_versions
 from moegen.package.writer import write_package
@@ -251,7 +251,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
     ir = lower(spec, spec_path)
     gpu = current_gpu()
     if gpu is None:
-        raise MoegenError("tuning needs a CUDA GPU (or TRITON_INTERPRET=1 for a slow CPU run on tiny shapes)")
+        raise UsageError("tuning needs a CUDA GPU (or TRITON_INTERPRET=1 for a slow CPU run on tiny shapes)")
     if gpu.name != ir.target.name:
         log(f"note: {spec_path} targets {ir.target.name}; results are saved for this {gpu.name}")
     ir = replace(ir, target=gpu)
