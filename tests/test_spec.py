@@ -277,6 +277,23 @@ def test_int_accepted_for_float_and_null_for_optional():
     assert spec.target.expert_memory_gib is None
 
 
+@pytest.mark.parametrize("hidden_size, memory_gib, expected", [
+    ("64", "1e2", (64, 100.0)),  # no dot, no sign: a string in YAML 1.1
+    ("064", "2.5E-1", (64, 0.25)),  # a leading zero: not octal
+    ("0x40", ".5", (64, 0.5)),
+    ("0o100", "3", (64, 3.0)),
+])
+def test_numbers_as_yaml_1_2_reads_them(hidden_size, memory_gib, expected):
+    text = replace("hidden_size: 64", f"hidden_size: {hidden_size}") + f"target:\n  expert_memory_gib: {memory_gib}\n"
+    spec = load_spec_text(text, "n.yaml")
+    assert (spec.model.hidden_size, spec.target.expert_memory_gib) == expected
+
+
+def test_base_60_is_not_a_number():
+    with pytest.raises(SpecError, match="model.hidden_size: expected an integer, got a string"):
+        load_spec_text(replace("hidden_size: 64", "hidden_size: 1:04"), "s.yaml")
+
+
 def test_correction_bias_with_softmax_allowed():
     spec = load_spec_text(with_model("correction_bias: true", "scoring: softmax"), "b.yaml")
     assert spec.model.correction_bias is True

@@ -49,6 +49,33 @@ _MAP_TAG, _SEQ_TAG = _YAML_TAG + "map", _YAML_TAG + "seq"
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]*\Z")
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's YAML 1.1 with numbers read as YAML 1.2 (and people) write them: 1e2 is a number,
+    12:30 (base 60 in 1.1) a string, 012 twelve rather than octal ten."""
+
+
+_INT_TAG, _FLOAT_TAG = _YAML_TAG + "int", _YAML_TAG + "float"
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_SpecLoader.add_implicit_resolver(_INT_TAG, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+)$"),
+                                  list("-+0123456789"))
+_SpecLoader.add_implicit_resolver(
+    _FLOAT_TAG, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
+                           r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+class _SpecConstructor(SafeConstructor):
+    """Plain scalars into int/float/bool/str only; integers as _SpecLoader resolves them."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node).replace("_", "")
+        return int(text, 16 if text.startswith("0x") else 8 if text.startswith("0o") else 10)
+
+
+_SpecConstructor.add_constructor(_INT_TAG, _SpecConstructor.construct_yaml_int)
+
+
 @dataclass(frozen=True)
 class _Bound:
     lo: float
@@ -141,7 +168,7 @@ def load_spec_text(text: str, filename: str = "<string>") -> Spec:
 def _compose(text: str, filename: str) -> MappingNode:
     """The YAML node tree (nodes keep their marks), or a SpecError for syntax problems."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_SpecLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or "syntax error"
@@ -183,7 +210,7 @@ class _Walker:
         self.file = filename
         self.positions: dict[str, tuple[int, int]] = {"": (1, 1)}  # path -> value's (line, col)
         self.key_positions: dict[str, tuple[int, int]] = {"": (1, 1)}  # path -> its key's (line, col)
-        self._constructor = SafeConstructor()  # turns plain scalars into int/float/bool/str only
+        self._constructor = _SpecConstructor()
 
     def fail(self, path: str, where: Union[Node, tuple[int, int]], problem: str, fix: str) -> NoReturn:
         line, col = where if isinstance(where, tuple) else _pos(where)
