@@ -79,6 +79,25 @@ def test_a_trace_deeper_than_the_budget_holds_names_the_spec_file(tmp_path):
     assert str(error.value).startswith("deepseek-v3.yaml: target.expert_memory_gib:")
 
 
+def test_a_trace_deeper_than_the_budget_holds_says_the_layers_came_from_it(tmp_path):
+    import gzip
+
+    from moegen.offload.trace import TraceError
+    from moegen.plan.offload import plan_for_trace
+
+    ir = _ir(tmp_path)  # 58 layers; 100 GiB holds 1218 experts, 400 layers x top-8 need 3200
+    header = {"format": "moegen-trace", "version": 1, "model": "deep", "num_layers": 400, "num_experts": 256,
+              "top_k": 8, "source": "test", "note": ""}
+    token = {"seq": 0, "experts": [list(range(8))] * 400}
+    trace = tmp_path / "deep.jsonl.gz"
+    trace.write_bytes(gzip.compress(f"{json.dumps(header)}\n{json.dumps(token)}\n".encode()))
+    with pytest.raises(TraceError) as error:
+        plan_for_trace(ir, trace)
+    message = str(error.value)
+    assert message.startswith(f"{trace}:1: the trace covers 400 layers")
+    assert "400 layers x top-8 need 3200" in message and "or use a trace of the spec's 58 layers" in message
+
+
 def test_plan_cli_prints_json(tmp_path):
     result = subprocess.run([sys.executable, "-m", "moegen", "plan", str(REPO / "specs" / "deepseek-v3.yaml"), "--json"],
                             capture_output=True, text=True, cwd=REPO)

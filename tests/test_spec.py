@@ -113,6 +113,9 @@ CASES = [
     Case("zero_expert_memory", BASE + "target:\n  expert_memory_gib: 0\n", "target.expert_memory_gib", "greater than 0", 8),
     Case("expert_memory_below_top_k", BASE + "target:\n  expert_memory_gib: 0.00001\n", "target.expert_memory_gib", "holds 0 experts", 8),
     Case("expert_memory_over_gpu", BASE + "target:\n  gpu: l4\n  expert_memory_gib: 40\n", "target.expert_memory_gib", "more than the l4's"),
+    Case("expert_memory_short_of_any_gpu", BASE.replace("hidden_size: 64", "hidden_size: 1048576").replace(
+        "intermediate_size: 32", "intermediate_size: 1048576") + "target:\n  gpu: b200\n  expert_memory_gib: 170\n",
+        "target.expert_memory_gib", "more than the b200's 178.4 GiB: target a GPU with more memory"),
     Case("negative_override", BASE + "target:\n  hbm_gbps: -1\n", "target.hbm_gbps", "at least 0.01"),
     Case("override_too_slow", BASE + "target:\n  host_link_gbps: 1.0e-310\n", "target.host_link_gbps", "at least 0.01"),
     Case("override_too_fast", BASE + "target:\n  bf16_tflops: 1.0e+300\n", "target.bf16_tflops", "larger than"),

@@ -156,6 +156,12 @@ def with_trace_layers(ir: ModelIR, trace) -> ModelIR:
     if trace.num_layers == m.num_layers:
         return ir
     spec = replace(ir.spec, model=replace(m, num_layers=trace.num_layers))
+    shortfall = expert_memory_shortfall(spec)
+    if shortfall is not None:
+        field, problem, fix = shortfall
+        raise TraceError(trace.path, 1, f"the trace covers {trace.num_layers} layers ({ir.spec_file} {m.num_layers}), "
+                         f"too many for {ir.spec_file}'s {field}: {problem}",
+                         f"{fix}, or use a trace of the spec's {m.num_layers} layers")
     return replace(ir, spec=spec)
 
 

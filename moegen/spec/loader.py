@@ -557,10 +557,13 @@ def expert_memory_shortfall(spec: Spec):
     m, budget = spec.model, gpus.expert_memory_gib(spec)
     slots, need = int(budget * 2**30) // m.expert_bytes, m.num_layers * m.top_k
     if slots < need:
+        need_gib, gpu = math.ceil(need * m.expert_bytes / 2**30), gpus.lookup_gpu(spec.target.gpu)
+        fix = f"raise target.expert_memory_gib to at least {need_gib}"
+        if gpu is not None and need_gib > gpu.memory_gib:
+            fix = f"that is more than the {gpu.alias}'s {gpu.memory_gib:g} GiB: target a GPU with more memory"
         return ("target.expert_memory_gib",
                 f"{budget:g} GiB holds {slots} experts of {m.expert_bytes / 2**20:.1f} MiB, but "
-                f"{m.num_layers} layers x top-{m.top_k} need {need}",
-                f"raise target.expert_memory_gib to at least {math.ceil(need * m.expert_bytes / 2**30)}")
+                f"{m.num_layers} layers x top-{m.top_k} need {need}", fix)
 
 
 _CROSS_RULES = (
