@@ -187,6 +187,31 @@ def test_a_package_this_moegen_cannot_run_says_rebuild(tmp_path, damage, needle)
     assert needle in result.stderr and f"-o {tmp_path / 'generated'}" in result.stderr, result.stderr
 
 
+_CPU_CALL = """
+import os, sys, torch
+sys.path.insert(0, {out!r})
+import tiny
+os.environ.update({late})
+x = torch.randn(2, 40)
+try:
+    tiny.fused_moe(x, torch.randn(2, 6), torch.randn(6, 48, 40), torch.randn(6, 40, 24))
+except RuntimeError as error:
+    print(error)
+"""
+
+
+@pytest.mark.parametrize("late", [{}, {"TRITON_INTERPRET": "1"}], ids=["unset", "set_after_import"])
+def test_cpu_tensors_without_the_interpreter_say_how(tmp_path, late):
+    """The kernels were decorated at import: TRITON_INTERPRET set later does not make them run
+    on the CPU, and the message says so instead of failing in Triton's driver."""
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _CPU_CALL.format(out=str(tmp_path), late=late)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert "moegen kernels need CUDA tensors (got cpu)" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert ("it was set only after the import" in result.stdout) == bool(late)
+
+
 @pytest.mark.parametrize("argv,code,needle", [
     (["validate", str(TINY)], 0, "ok"),
     (["validate", "does/not/exist.yaml"], 2, "does/not/exist.yaml"),

@@ -537,6 +537,13 @@ BAD_CHECKPOINTS = [  # (case, how BASE's checkpoint is spoiled, the error expect
      (ValueError, r"gate.weight: expected shape \[6, 40\], got \[1, 40\]")),
     ("extra_key", lambda sd: sd | {"experts.6.w1.weight": sd["experts.0.w1.weight"]},
      (KeyError, r"does not use: \['experts.6.w1.weight'\]")),
+    # right shapes, but nothing to copy from: checked before any tensor is copied
+    ("meta_tensor", lambda sd: sd | {"experts.5.w2.weight": torch.empty(40, 24, device="meta")},
+     (TypeError, r"experts.5.w2.weight: a tensor without data \(device meta\)")),
+    ("numpy_array", lambda sd: sd | {"experts.5.w2.weight": sd["experts.5.w2.weight"].numpy()},
+     (TypeError, r"experts.5.w2.weight: expected a torch.Tensor, got ndarray")),
+    ("complex", lambda sd: sd | {"experts.5.w2.weight": sd["experts.5.w2.weight"].to(torch.complex64)},
+     (TypeError, r"experts.5.w2.weight: expected real floating-point weights, got torch.complex64")),
 ]
 
 
@@ -559,7 +566,29 @@ BAD_INPUTS = [  # (case, the argument changed, how, the message expected); BASE'
     ("logits_experts", "logits", lambda t: t[:, :-1], r"router_logits: expected shape \[3, 6\], got \[3, 5\]"),
     ("ids_top_k", "ids", lambda t: t[:, :1], r"topk_ids: expected shape \[3, 2\], got \[3, 1\]"),
     ("weights_tokens", "weights", lambda t: t[:2], r"topk_weights: expected shape \[3, 2\], got \[2, 2\]"),
+    ("logits_complex", "logits", lambda t: t.to(torch.complex64),
+     r"router_logits: expected a floating-point dtype, got torch.complex64"),
+    ("ids_bool", "ids", lambda t: t > 2, r"topk_ids: expected an integer dtype, got torch.bool"),
+    ("ids_float", "ids", lambda t: t.float(), r"topk_ids: expected an integer dtype, got torch.float32"),
+    ("weights_int", "weights", lambda t: t.long(), r"topk_weights: expected a floating-point dtype, got torch.int64"),
+    ("bias_without_one", "bias", lambda t: t, r"correction_bias: this spec routes without one"),
 ]
+NOT_TENSORS = [("hidden_states", "x"), ("router_logits", "logits"), ("w13", "w13"), ("topk_ids", "ids")]
+
+
+@pytest.mark.parametrize("name,argument", NOT_TENSORS)
+def test_arguments_that_are_no_tensors_are_named(name, argument, package_factory):
+    pkg = package_factory(**BASE)
+    e, h, i, k = BASE["num_experts"], BASE["hidden_size"], BASE["intermediate_size"], BASE["top_k"]
+    args = dict(x=torch.randn(3, h), logits=torch.randn(3, e), weights=torch.rand(3, k),
+                ids=torch.randint(0, e, (3, k)), w13=torch.randn(e, 2 * i, h), w2=torch.randn(e, h, i))
+    args = {n: t.to(DEVICE) for n, t in args.items()}
+    args[argument] = args[argument].cpu().numpy()
+    with pytest.raises(TypeError, match=f"{name}: expected a torch.Tensor, got ndarray"):
+        if argument == "ids":
+            pkg.fused_experts(args["x"], args["weights"], args["ids"], args["w13"], args["w2"])
+        else:
+            pkg.fused_moe(args["x"], args["logits"], args["w13"], args["w2"])
 
 
 @pytest.mark.parametrize("case,argument,change,message", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
@@ -568,14 +597,16 @@ def test_bad_inputs_are_named_before_any_launch(case, argument, change, message,
     pkg = package_factory(**BASE)
     e, h, i, k = BASE["num_experts"], BASE["hidden_size"], BASE["intermediate_size"], BASE["top_k"]
     args = dict(x=torch.randn(3, h), logits=torch.randn(3, e), weights=torch.rand(3, k),
-                ids=torch.randint(0, e, (3, k)), w13=torch.randn(e, 2 * i, h), w2=torch.randn(e, h, i))
+                ids=torch.randint(0, e, (3, k)), w13=torch.randn(e, 2 * i, h), w2=torch.randn(e, h, i),
+                bias=torch.zeros(e))
     args = {name: change(t) if name == argument else t for name, t in args.items()}
     args = {name: t.to(DEVICE) for name, t in args.items()}
     with pytest.raises(ValueError, match=message):
         if argument in ("ids", "weights"):
             pkg.fused_experts(args["x"], args["weights"], args["ids"], args["w13"], args["w2"])
         else:
-            pkg.fused_moe(args["x"], args["logits"], args["w13"], args["w2"])
+            bias = args["bias"] if argument == "bias" else None
+            pkg.fused_moe(args["x"], args["logits"], args["w13"], args["w2"], correction_bias=bias)
 
 
 LAYER_BAD_INPUTS = [  # (case, MoELayer keyword arguments, hidden_states shape and dtype, message); BASE: H=40, fp32
@@ -585,6 +616,8 @@ LAYER_BAD_INPUTS = [  # (case, MoELayer keyword arguments, hidden_states shape a
                                                    r"torch.float16"),
     ("input_width", {}, ((3, 41), torch.float32), r"hidden_states: expected \[\.\.\., 40\] torch.float32, got \[3, 41\]"),
     ("input_scalar", {}, ((), torch.float32), r"hidden_states: expected \[\.\.\., 40\] torch.float32, got \[\]"),
+    ("layer_converted", dict(convert=torch.float64), ((3, 40), torch.float32),
+     r"w13 is torch.float64: this package's kernels run torch.float32; do not convert the layer"),
 ]
 
 
@@ -592,9 +625,18 @@ LAYER_BAD_INPUTS = [  # (case, MoELayer keyword arguments, hidden_states shape a
 def test_layer_names_what_it_cannot_run(case, kwargs, x, message, package_factory):
     """Before the router's matmul would fail with torch's words, or the kernels with theirs."""
     pkg = package_factory(**BASE)
+    convert = kwargs.pop("convert", None)
     with pytest.raises(ValueError, match=message):
         layer = pkg.MoELayer(device=DEVICE, **kwargs)
+        layer = layer.to(convert) if convert is not None else layer
         layer(torch.randn(x[0]).to(x[1]).to(DEVICE))
+
+
+def test_layer_is_for_inference(package_factory):
+    """The kernels have no backward: the layer's parameters ask for none, rather than being
+    handed a gradient that silently leaves the experts out."""
+    layer = package_factory(**BASE).MoELayer(device=DEVICE)
+    assert [name for name, p in layer.named_parameters() if p.requires_grad] == []
 
 
 NON_FINITE = {"nan_row": lambda row: row.fill_(float("nan")), "nan_one": lambda row: row[1:2].fill_(float("nan")),

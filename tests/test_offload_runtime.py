@@ -109,6 +109,7 @@ BAD_ROUTING = [  # (case, layer, topk_ids, message); 6 experts, top-2, 3 layers,
     ("negative_layer", -1, [[0, 1]], r"layer -1: expected an index in 0..2"),
     ("ids_wider_than_top_k", 0, [[0, 1, 2]], r"topk_ids: expected shape \[1, 2\], got \[1, 3\]"),
     ("float_ids", 0, [[0.0, 1.0]], r"topk_ids: expected an integer dtype, got torch.float32"),
+    ("bool_ids", 0, [[False, True]], r"topk_ids: expected an integer dtype, got torch.bool"),
 ]
 
 
@@ -125,6 +126,34 @@ def test_runtime_rejects_a_routing_it_cannot_run(package_factory, case, layer, i
         with pytest.raises(ValueError, match=message.split(r" \(layer")[0]):
             runtime.capture(x, weights, ids)
     assert runtime.stats.accesses == 0
+
+
+@pytest.mark.parametrize("rows,width,dtype,message", [
+    (3, 40, torch.float32, r"topk_ids: expected shape \[3, 2\], got \[1, 2\]"),  # a row the routing lacks
+    (1, 39, torch.float32, r"hidden_states: expected shape \[1, 40\], got \[1, 39\]"),
+    (1, 40, torch.float64, r"hidden_states: expected dtype torch.float32, got torch.float64"),
+])
+def test_runtime_rejects_hidden_states_that_do_not_match(package_factory, rows, width, dtype, message):
+    """Checked with the routing, before the engine or a prefetch sees the step (a chunked batch
+    would otherwise drop extra rows silently)."""
+    pkg, plan, host, _ = _setup(package_factory, 2)
+    runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine_for_plan(plan), device=DEVICE)
+    x = torch.randn(rows, width, dtype=dtype).to(DEVICE)
+    weights, ids = torch.rand(1, 2).to(DEVICE), torch.tensor([[0, 1]]).to(DEVICE)
+    with pytest.raises(ValueError, match=message):
+        runtime.forward(0, x, weights, ids)
+    assert runtime.stats.accesses == 0 and runtime.stats.prefetch_loads == 0
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_experts=8), "the plan routes top-2 of 8 experts, the kernels top-2 of 6"),
+    (dict(slots_per_layer=(2, 2, 2)), r"the engine caches 6 experts in slots \[3, 3, 3\], the plan 6 in \[2, 2, 2\]"),
+])
+def test_runtime_rejects_a_plan_or_engine_of_another_shape(package_factory, change, message):
+    pkg, plan, host, _ = _setup(package_factory, 3)
+    engine = engine_for_plan(plan)
+    with pytest.raises(ValueError, match=message):
+        OffloadedMoE(pkg.KERNELS, replace(plan, **change), host, engine, device=DEVICE)
 
 
 def test_host_experts_from_safetensors(tmp_path):

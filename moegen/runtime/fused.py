@@ -196,18 +196,36 @@ def multi_route_launch(ks: KernelSet) -> tuple[dict, dict]:
     return dict(BLOCK_T=tokens, num_warps=4), dict(BLOCK_S=max(16, min(256, _ROUTE_TILE // experts)), num_warps=4)
 
 
-def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype: Optional[torch.dtype], device):
+FLOATING, INTEGER = "a floating-point", "an integer"  # dtype classes for _check
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+
+
+def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype, device):
+    """dtype: one dtype, FLOATING (any real floating dtype), INTEGER (any integer dtype) or None."""
+    _check_tensor(name, tensor)
     if tuple(tensor.shape) != shape:
         expected = ", ".join(map(str, shape))  # a dimension named "T" where the batch is unknown
         raise ValueError(f"{name}: expected shape [{expected}], got {list(tensor.shape)}")
-    if dtype is not None and tensor.dtype != dtype:
-        raise ValueError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
+    if dtype is FLOATING:
+        wrong = not tensor.dtype.is_floating_point
+    elif dtype is INTEGER:
+        wrong = tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool
+    else:
+        wrong = dtype is not None and tensor.dtype != dtype
+    if wrong:
+        expected = f"dtype {dtype}" if isinstance(dtype, torch.dtype) else f"{dtype} dtype"
+        raise ValueError(f"{name}: expected {expected}, got {tensor.dtype}")
     if tensor.device != device:
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
 
 
 def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[int] = None,
                   names: tuple[str, str] = ("w13", "w2")) -> None:
+    _check_tensor("hidden_states", hidden_states)
     h, i = ks.hidden_size, ks.intermediate_size
     e = ks.num_experts if num_experts is None else num_experts
     device = hidden_states.device
@@ -215,9 +233,17 @@ def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[i
     _check("hidden_states", hidden_states, (tokens, h), ks.dtype, device)
     _check(names[0], w13, (e, 2 * i, h), ks.dtype, device)
     _check(names[1], w2, (e, h, i), ks.dtype, device)
-    if device.type != "cuda" and not knobs.triton_interpret():
+    if device.type != "cuda" and not _interpreted(ks):
+        late = " (it was set only after the import)" if knobs.triton_interpret() else ""
         raise RuntimeError(f"moegen kernels need CUDA tensors (got {device}); on the CPU set "
-                           "TRITON_INTERPRET=1 before importing the generated package (slow: tiny shapes)")
+                           f"TRITON_INTERPRET=1 before importing the generated package{late} (slow: tiny shapes)")
+
+
+def _interpreted(ks: KernelSet) -> bool:
+    """Whether the kernels run in Triton's interpreter: decided when the package was imported."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(ks.gate_up, InterpretedFunction)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -360,8 +386,8 @@ def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids,
 
 def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config):
     num_tokens, device = hidden_states.shape[0], hidden_states.device
-    _check("topk_weights", topk_weights, (num_tokens, ks.top_k), None, device)
-    _check("topk_ids", topk_ids, (num_tokens, ks.top_k), None, device)
+    _check("topk_weights", topk_weights, (num_tokens, ks.top_k), FLOATING, device)
+    _check("topk_ids", topk_ids, (num_tokens, ks.top_k), INTEGER, device)
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
@@ -472,11 +498,14 @@ def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correctio
     """Route, then run the experts: [T,H]. No host synchronization."""
     _check_inputs(ks, hidden_states, w13, w2)
     num_tokens = hidden_states.shape[0]
-    _check("router_logits", router_logits, (num_tokens, ks.num_experts), None, hidden_states.device)
+    _check("router_logits", router_logits, (num_tokens, ks.num_experts), FLOATING, hidden_states.device)
     if ks.routing.correction_bias:
         if correction_bias is None:
             raise ValueError("this spec has correction_bias: true; pass correction_bias=[num_experts] tensor")
-        _check("correction_bias", correction_bias, (ks.num_experts,), None, hidden_states.device)
+        _check("correction_bias", correction_bias, (ks.num_experts,), FLOATING, hidden_states.device)
+    elif correction_bias is not None:
+        raise ValueError("correction_bias: this spec routes without one (correction_bias: false); drop the "
+                         "argument, or build a spec with correction_bias: true")
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)

@@ -17,6 +17,8 @@ def _activation(name: str):
 
 
 class MoELayerBase(torch.nn.Module):
+    """For inference: the kernels have no backward, so no parameter asks for a gradient."""
+
     kernels: fused.KernelSet
     spec = None
 
@@ -41,6 +43,7 @@ class MoELayerBase(torch.nn.Module):
         # Several shared experts act as one dense MLP whose intermediate is their concatenation.
         self.shared_w13 = torch.nn.Parameter(torch.empty(2 * shared, m.hidden_size, **factory)) if shared else None
         self.shared_w2 = torch.nn.Parameter(torch.empty(m.hidden_size, shared, **factory)) if shared else None
+        self.requires_grad_(False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -58,10 +61,14 @@ class MoELayerBase(torch.nn.Module):
         return F.linear(_activation(self.spec.model.activation)(gate) * up, self.shared_w2)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        fused._check_tensor("hidden_states", hidden_states)
         shape, h = hidden_states.shape, self.spec.model.hidden_size
         if hidden_states.dim() == 0 or shape[-1] != h or hidden_states.dtype != self.kernels.dtype:
             raise ValueError(f"hidden_states: expected [..., {h}] {self.kernels.dtype}, got {list(shape)} "
                              f"{hidden_states.dtype}")
+        if self.w13.dtype != self.kernels.dtype:
+            raise ValueError(f"w13 is {self.w13.dtype}: this package's kernels run {self.kernels.dtype}; do not "
+                             "convert the layer (.to(dtype), .double(), ...)")
         x = hidden_states.reshape(-1, h)
         router_logits = self.gate(x)
         out = fused.fused_moe(self.kernels, x, router_logits, self.w13, self.w2,
@@ -84,7 +91,14 @@ class MoELayerBase(torch.nn.Module):
                            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
         m = self.spec.model
         for key, dest in targets.items():
-            if tuple(state_dict[key].shape) != tuple(dest.shape):
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{key}: expected a torch.Tensor, got {type(value).__name__}")
+            if value.is_meta:
+                raise TypeError(f"{key}: a tensor without data (device meta); load the checkpoint's weights")
+            if not value.dtype.is_floating_point:
+                raise TypeError(f"{key}: expected real floating-point weights, got {value.dtype}")
+            if tuple(value.shape) != tuple(dest.shape):
                 raise ValueError(f"{key}: expected shape {list(dest.shape)}, got {list(state_dict[key].shape)}; "
                                  f"the checkpoint does not fit {self.spec.name} (hidden_size {m.hidden_size}, "
                                  f"intermediate_size {m.intermediate_size}, num_experts {m.num_experts})")

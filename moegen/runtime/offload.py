@@ -79,6 +79,14 @@ class OffloadedMoE:
 
     def __init__(self, kernels: fused.KernelSet, plan: OffloadPlan, host: HostExperts,
                  engine: OffloadPolicyEngine, device="cuda"):
+        if (plan.num_experts, plan.top_k) != (kernels.num_experts, kernels.top_k):
+            raise ValueError(f"the plan routes top-{plan.top_k} of {plan.num_experts} experts, the kernels top-"
+                             f"{kernels.top_k} of {kernels.num_experts}: plan the spec the package was built from")
+        engine_slots = tuple(cache.slots for cache in engine.caches)
+        if (engine.num_layers, engine.num_experts, engine_slots) != (plan.num_layers, plan.num_experts,
+                                                                    tuple(plan.slots_per_layer)):
+            raise ValueError(f"the engine caches {engine.num_experts} experts in slots {list(engine_slots)}, the plan "
+                             f"{plan.num_experts} in {list(plan.slots_per_layer)}: build the engine from this plan")
         if host.num_layers != plan.num_layers:
             raise ValueError(f"host experts have {host.num_layers} layers, the plan {plan.num_layers}")
         e, h, i = kernels.num_experts, kernels.hidden_size, kernels.intermediate_size
@@ -89,6 +97,8 @@ class OffloadedMoE:
                                      f"got {list(tensor.shape)} {tensor.dtype}")
         self.kernels, self.plan, self.host, self.engine = kernels, plan, host, engine
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as the tensors on it name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.on_gpu = self.device.type == "cuda"
         self.lookahead = max(1, plan.lookahead)
         self._stall_s = 0.0  # waits for copies resolved so far
@@ -153,7 +163,7 @@ class OffloadedMoE:
         """Capture every layer's step graph for batches shaped like these now, so that serving (or
         a benchmark) does not pay for the capture at its first token. The engine and the pools'
         contents are untouched; the captured run reads slot 0 for every expert."""
-        self._routing_on_host(0, topk_weights, topk_ids)  # a batch forward() would refuse is not captured
+        self._routing_on_host(0, hidden_states, topk_weights, topk_ids)  # what forward() refuses is not captured
         if not self.graphs.enabled:
             return
         for layer, pool in enumerate(self.pools):
@@ -169,7 +179,7 @@ class OffloadedMoE:
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer's MoE output [T, H] for a routing chosen by the caller."""
-        ids = self._routing_on_host(layer, topk_weights, topk_ids)
+        ids = self._routing_on_host(layer, hidden_states, topk_weights, topk_ids)
         chunks = _chunks_that_fit(ids, self.plan.slots_per_layer[layer])
         if len(chunks) == 1:
             return self._forward(layer, hidden_states, topk_weights, topk_ids, ids)
@@ -177,22 +187,22 @@ class OffloadedMoE:
         return torch.cat([self._forward(layer, hidden_states[a:b], topk_weights[a:b], topk_ids[a:b], ids[a:b])
                           for a, b in chunks])
 
-    def _routing_on_host(self, layer, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> list:
-        """topk_ids as lists, after the per-layer host synchronization; checked there, where a
-        check costs nothing: an id out of range would index another expert's slot, or fail deep
-        in the cache policy."""
+    def _routing_on_host(self, layer, hidden_states, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> list:
+        """topk_ids as lists, after the per-layer host synchronization; the step's inputs checked
+        first, before the cache policy sees anything: an id out of range would index another
+        expert's slot, or fail deep in the policy."""
         try:
             in_range = 0 <= operator.index(layer) < self.plan.num_layers
         except TypeError:
             in_range = False
         if not in_range:
             raise ValueError(f"layer {layer!r}: expected an index in 0..{self.plan.num_layers - 1}")
-        k, e = self.kernels.top_k, self.kernels.num_experts
-        tokens = topk_ids.shape[0] if topk_ids.dim() == 2 else "T"
-        fused._check("topk_ids", topk_ids, (tokens, k), None, topk_ids.device)
-        fused._check("topk_weights", topk_weights, (tokens, k), None, topk_ids.device)
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-            raise ValueError(f"topk_ids: expected an integer dtype, got {topk_ids.dtype}")
+        k, e, h = self.kernels.top_k, self.kernels.num_experts, self.kernels.hidden_size
+        fused._check_tensor("hidden_states", hidden_states)
+        tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else "T"
+        fused._check("hidden_states", hidden_states, (tokens, h), self.kernels.dtype, self.device)
+        fused._check("topk_ids", topk_ids, (tokens, k), fused.INTEGER, self.device)
+        fused._check("topk_weights", topk_weights, (tokens, k), fused.FLOATING, self.device)
         ids = topk_ids.tolist()  # the per-layer host synchronization
         wrong = next(((t, j) for t, token in enumerate(ids) for j, expert in enumerate(token)
                       if not 0 <= expert < e), None)
