@@ -19,7 +19,6 @@ import re
 import stat
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional, Union
 
 import yaml
@@ -234,7 +233,8 @@ class _Walker:
             key, sub = key_node.value, _join(path, key_node.value)
             if key in first_line:
                 self.fail(_join(path, _short(key)), key_node,
-                          f"duplicate key '{_short(key)}' (first set on line {first_line[key]})", "keep only one of them")
+                          f"duplicate key '{_short(key)}' (first set on line {first_line[key]})",
+                          "keep only one of them")
             first_line[key] = _pos(key_node)[0]
             self.key_positions[sub] = _pos(key_node)
             if key not in fields:
