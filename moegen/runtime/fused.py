@@ -114,10 +114,17 @@ class KernelSet:
     routing: RoutingParams
     buckets: tuple[int, ...]
     configs: tuple[KernelConfig, ...]
+    # Whether the kernels run in Triton's interpreter: decided when the package was imported
+    # (None: read from the kernels; dataclasses.replace keeps what was read).
+    interpreted: Optional[bool] = None
 
     def __post_init__(self):
         settle_cache_keys((self.route_align, self.route_count, self.route_place, self.gate_up,
                            self.down_reduce, self.decode, self.decode_finish))
+        if self.interpreted is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            object.__setattr__(self, "interpreted", isinstance(self.gate_up, InterpretedFunction))
 
     def bucket_index(self, num_tokens: int) -> int:
         """The smallest bucket >= num_tokens (the largest bucket beyond it)."""
@@ -233,17 +240,10 @@ def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[i
     _check("hidden_states", hidden_states, (tokens, h), ks.dtype, device)
     _check(names[0], w13, (e, 2 * i, h), ks.dtype, device)
     _check(names[1], w2, (e, h, i), ks.dtype, device)
-    if device.type != "cuda" and not _interpreted(ks):
+    if device.type != "cuda" and not ks.interpreted:
         late = " (it was set only after the import)" if knobs.triton_interpret() else ""
         raise RuntimeError(f"moegen kernels need CUDA tensors (got {device}); on the CPU set "
                            f"TRITON_INTERPRET=1 before importing the generated package{late} (slow: tiny shapes)")
-
-
-def _interpreted(ks: KernelSet) -> bool:
-    """Whether the kernels run in Triton's interpreter: decided when the package was imported."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(ks.gate_up, InterpretedFunction)
 
 
 def _cdiv(a: int, b: int) -> int:
