@@ -30,6 +30,11 @@ def _switch(name: str, meaning: str) -> Optional[bool]:
     raise SettingError(name, value, "not an on/off value", f"set it to 1 ({meaning}) or 0, or unset it")
 
 
+def readable_folder(path: Path) -> bool:
+    """Whether this process may list the folder and open what is in it."""
+    return os.access(path, os.R_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids)
+
+
 def _folder(name: str, must_exist: bool) -> Optional[Path]:
     """A folder variable's path (~ expanded); unless must_exist, one that can still be created."""
     value = _value(name)
@@ -38,7 +43,7 @@ def _folder(name: str, must_exist: bool) -> Optional[Path]:
     path = Path(value).expanduser()
     try:
         if path.is_dir():
-            if os.access(path, os.R_OK | os.X_OK):
+            if readable_folder(path):
                 return path
             problem = "a folder moegen may not read"
         elif path.exists():

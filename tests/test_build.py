@@ -174,6 +174,13 @@ def _stale_template_hash(package: Path) -> None:
     (_stale_template_hash, "built from templates other than this moegen's (moe_gate_up.py.jinja)"),
     (lambda package: (package / "manifest.json").unlink(), "no readable manifest.json"),
     (lambda package: (package / "manifest.json").write_text("{"), "no readable manifest.json"),
+    # damage after the build: a file gone, emptied or edited, the manifest edited
+    (lambda package: (package / "_configs.py").unlink(), "_configs.py cannot be read (No such file or directory)"),
+    (lambda package: (package / "_moe_gate_up.py").write_text(""), "_moe_gate_up.py was changed after the build"),
+    (lambda package: (package / "_configs.py").write_text((package / "_configs.py").read_text().replace(
+        "block_k=", "block_k=7 + ")), "_configs.py was changed after the build"),
+    (lambda package: (package / "manifest.json").write_text((package / "manifest.json").read_text().replace(
+        '"top_k": 2', '"top_k": 3')), "manifest.json was changed after the build"),
 ])
 def test_a_package_this_moegen_cannot_run_says_rebuild(tmp_path, damage, needle):
     """The launch code is moegen's and the kernels the package's: both must come from one
@@ -257,6 +264,7 @@ def test_bad_environment_variable_is_a_clear_error_and_changes_nothing(tmp_path,
 @pytest.mark.parametrize("edit,needle", [
     ("{% if %}", "moe_gate_up.py.jinja line {line}: Expected an expression"),
     ("{{ no_such_value }}", "moe_gate_up.py.jinja: 'no_such_value' is undefined"),
+    ("def broken(:", "moe_gate_up.py.jinja renders Python that does not compile (line "),
 ])
 def test_broken_template_is_a_clear_error_and_changes_nothing(tmp_path, capsys, edit, needle):
     from moegen import knobs

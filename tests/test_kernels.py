@@ -537,6 +537,7 @@ BAD_CHECKPOINTS = [  # (case, how BASE's checkpoint is spoiled, the error expect
      (ValueError, r"gate.weight: expected shape \[6, 40\], got \[1, 40\]")),
     ("extra_key", lambda sd: sd | {"experts.6.w1.weight": sd["experts.0.w1.weight"]},
      (KeyError, r"does not use: \['experts.6.w1.weight'\]")),
+    ("not_a_mapping", lambda sd: list(sd.items()), (TypeError, r"state_dict: expected a mapping of names to tensors")),
     # right shapes, but nothing to copy from: checked before any tensor is copied
     ("meta_tensor", lambda sd: sd | {"experts.5.w2.weight": torch.empty(40, 24, device="meta")},
      (TypeError, r"experts.5.w2.weight: a tensor without data \(device meta\)")),

@@ -147,6 +147,7 @@ def test_runtime_rejects_hidden_states_that_do_not_match(package_factory, rows, 
 
 @pytest.mark.parametrize("change,message", [
     (dict(num_experts=8), "the plan routes top-2 of 8 experts, the kernels top-2 of 6"),
+    (dict(expert_bytes=3 * 32 * 24 * 4), "the plan's experts take 9216 bytes, the kernels' 11520"),  # H 32, not 40
     (dict(slots_per_layer=(2, 2, 2)), r"the engine caches 6 experts in slots \[3, 3, 3\], the plan 6 in \[2, 2, 2\]"),
 ])
 def test_runtime_rejects_a_plan_or_engine_of_another_shape(package_factory, change, message):

@@ -1,6 +1,7 @@
 """Import a generated package from its folder, wherever it lives."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import sys
@@ -22,11 +23,34 @@ def checked_manifest(folder) -> dict:
                            f"`moegen build SPEC -o {folder.parent}`") from None
     current = template_hashes()
     changed = sorted(name for name in built.keys() | current.keys() if built.get(name) != current.get(name))
+    rebuild = f"rebuild it: `moegen build {manifest.get('spec_file', 'SPEC')} -o {folder.parent}`"
     if changed:
-        spec_file = manifest.get("spec_file", "SPEC")
         raise PackageError(f"{folder}: built from templates other than this moegen's ({', '.join(changed)}); "
-                           f"rebuild it: `moegen build {spec_file} -o {folder.parent}`")
+                           + rebuild)
+    _check_contents(folder, manifest, rebuild)
     return manifest
+
+
+def content_hash(content: dict) -> str:
+    """sha256 of a manifest's content (its canonical JSON), recorded in the manifest itself."""
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_contents(folder: Path, manifest: dict, rebuild: str) -> None:
+    """The manifest and every file it lists are as the build wrote them (an edited, emptied or
+    deleted file otherwise fails later, in Python's or Triton's words, or runs wrongly)."""
+    recorded = manifest.get("content_sha256")
+    if recorded is None:  # a package from before the manifest recorded its files
+        return
+    if content_hash({k: v for k, v in manifest.items() if k != "content_sha256"}) != recorded:
+        raise PackageError(f"{folder}: manifest.json was changed after the build; " + rebuild)
+    for name, digest in manifest.get("files", {}).items():
+        try:
+            data = (folder / name).read_bytes()
+        except OSError as error:
+            raise PackageError(f"{folder}: {name} cannot be read ({error.strerror}); " + rebuild) from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise PackageError(f"{folder}: {name} was changed after the build; " + rebuild)
 
 
 def load_package(path):

@@ -4,11 +4,13 @@ Deterministic: no timestamps, sorted keys, fixed float formatting; the same plan
 give byte-identical files."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict
 
 from moegen import __version__
-from moegen.package.writer import GENERATED_MARK
+from moegen.package.loader import content_hash
+from moegen.package.writer import GENERATED_MARK, as_bytes
 from moegen.plan import BuildPlan
 from moegen.plan.configs import pow2_at_least
 from moegen.plan.cost_model import FORMULAS, matrix_tflops
@@ -31,9 +33,11 @@ def _config_literal(config) -> str:
     return f"KernelConfig({fields})"
 
 
-def manifest(build: BuildPlan, versions: dict[str, str]) -> dict:
+def manifest(build: BuildPlan, versions: dict[str, str], files: dict[str, str]) -> dict:
+    """What the package was built from, and the sha256 of every other file it was built with:
+    the import checks both (moegen.package.loader.checked_manifest)."""
     ir = build.ir
-    return {
+    content = {
         "generator": "moegen",
         "versions": versions,
         "spec_file": ir.spec_file,
@@ -45,7 +49,9 @@ def manifest(build: BuildPlan, versions: dict[str, str]) -> dict:
         "buckets": [
             {"tokens": b.tokens, "config": asdict(b.config), "source": b.source} for b in build.buckets
         ],
+        "files": {name: hashlib.sha256(as_bytes(text)).hexdigest() for name, text in sorted(files.items())},
     }
+    return {**content, "content_sha256": content_hash(content)}
 
 
 def _report_rows(build: BuildPlan) -> list[list[str]]:
@@ -137,7 +143,7 @@ def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]
             offload_rows=offload_summary(build.offload),
             offload_formulas=[(k, str(v)) for k, v in OFFLOAD_FORMULAS.items()],
         ),
-        "manifest.json": json.dumps(manifest(build, versions), indent=2, sort_keys=True) + "\n",
         "plan.json": json.dumps(build.offload.to_json(), indent=2, sort_keys=True) + "\n",
     }
+    files["manifest.json"] = json.dumps(manifest(build, versions, files), indent=2, sort_keys=True) + "\n"
     return files

@@ -35,14 +35,24 @@ def environment() -> jinja2.Environment:
 
 
 def render(template_name: str, **values) -> str:
+    """The template rendered; a Python template's output must compile. A problem with an edited
+    template (MOEGEN_TEMPLATE_DIR) is a SettingError naming it; with moegen's own, a bug."""
     try:
-        return environment().get_template(template_name).render(**values)
-    except (jinja2.TemplateError, UnicodeDecodeError) as error:
+        text = environment().get_template(template_name).render(**values)
+        if template_name.endswith(".py.jinja"):
+            compile(text, template_name, "exec")
+        return text
+    except (jinja2.TemplateError, UnicodeDecodeError, SyntaxError) as error:
         if knobs.template_dir() == knobs.SHIPPED_TEMPLATES:
-            raise  # moegen's own templates: a bug, with its traceback
-        line = f" line {error.lineno}" if isinstance(error, jinja2.TemplateSyntaxError) else ""
-        raise SettingError("MOEGEN_TEMPLATE_DIR", str(knobs.template_dir()),
-                           f"{template_name}{line}: {error}", "fix the template, or unset it") from None
+            raise
+        if isinstance(error, SyntaxError):
+            detail = f" renders Python that does not compile (line {error.lineno} of its output: {error.msg})"
+        elif isinstance(error, jinja2.TemplateSyntaxError):
+            detail = f" line {error.lineno}: {error}"
+        else:
+            detail = f": {error}"
+        raise SettingError("MOEGEN_TEMPLATE_DIR", str(knobs.template_dir()), template_name + detail,
+                           "fix the template, or unset it") from None
 
 
 def template_hashes() -> dict[str, str]:

@@ -3,6 +3,7 @@
 The generated package subclasses MoELayerBase and sets `kernels` and `spec`."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -84,6 +85,8 @@ class MoELayerBase(torch.nn.Module):
         `gate.e_score_correction_bias` and `shared_experts.gate_proj/up_proj/down_proj.weight`.
         Every tensor is checked (present, exact shape: no broadcasting) before any is copied, so a
         checkpoint that does not fit leaves the layer as it was."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
         targets = {prefix + name: dest for name, dest in self._hf_targets(state_dict, prefix)}
         missing = [key for key in targets if key not in state_dict]
         if missing:

@@ -82,6 +82,10 @@ class OffloadedMoE:
         if (plan.num_experts, plan.top_k) != (kernels.num_experts, kernels.top_k):
             raise ValueError(f"the plan routes top-{plan.top_k} of {plan.num_experts} experts, the kernels top-"
                              f"{kernels.top_k} of {kernels.num_experts}: plan the spec the package was built from")
+        expert_bytes = 3 * kernels.hidden_size * kernels.intermediate_size * kernels.dtype.itemsize
+        if plan.expert_bytes != expert_bytes:
+            raise ValueError(f"the plan's experts take {plan.expert_bytes} bytes, the kernels' {expert_bytes}: plan "
+                             "the spec the package was built from")
         engine_slots = tuple(cache.slots for cache in engine.caches)
         if (engine.num_layers, engine.num_experts, engine_slots) != (plan.num_layers, plan.num_experts,
                                                                     tuple(plan.slots_per_layer)):

@@ -27,6 +27,8 @@ def _search_dirs(args) -> list[Path]:
         return db.default_search_path()
     if not Path(args.dir).is_dir():
         raise TuningInputError(f"{args.dir}: no such directory; pass a folder of tuning files to --dir")
+    if not knobs.readable_folder(Path(args.dir)):
+        raise TuningInputError(f"--dir {args.dir}: a folder moegen may not read; fix its permissions")
     return [Path(args.dir)]
 
 
@@ -168,7 +170,11 @@ def _cmd_export(args) -> int:
     bundle = db.export_bundle(directory)  # a file left out warns (one line each, cli.main)
     text = db.dumps(bundle)
     if output is not None:
-        db.atomic_write(output, text)  # an earlier bundle there stays whole if this write fails
+        try:
+            db.atomic_write(output, text)  # an earlier bundle there stays whole if this write fails
+        except OSError as error:
+            raise TuningInputError(f"-o {args.output}: cannot write there ({error.strerror}); write the bundle "
+                                   "elsewhere") from None
         print(f"exported {len(bundle['files'])} files of {directory} to {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
