@@ -193,7 +193,7 @@ def _signature_problem(signature) -> str | None:
         kind = _SIGNATURE_TYPES.get(name)
         if kind is None:
             return f"metadata.signature has no field {name!r}"
-        if value is not None and type(value) is not kind:  # noqa: E721 - True is no hidden size
+        if value is not None and type(value) is not kind:  # the exact type: true is no hidden size
             return f"metadata.signature.{name} is not {'an integer' if kind is int else 'a string'}"
     return None
 
