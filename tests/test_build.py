@@ -49,6 +49,17 @@ def test_rebuild_with_same_inputs_writes_nothing(tmp_path, capsys):
     assert manifest.stat().st_mtime_ns == before
 
 
+def test_build_clears_what_a_killed_build_left(tmp_path):
+    """Builds of one package take turns, so staging folders found beside it belong to a build
+    killed between its renames: the next build removes them."""
+    for leftover in (".tiny.new-abc123", ".tiny.old-zzz"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "_configs.py").write_text("partial")
+    (tmp_path / ".tinyx.new-abc").mkdir()  # another package's: left alone
+    assert cli.main(["build", str(TINY), "-o", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tiny.lock", ".tinyx.new-abc", "tiny"]
+
+
 def test_output_folder_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch, capsys):
     """A folder the build may not create files in (read-only, a system folder): exit 2 naming it."""
     import tempfile
@@ -88,7 +99,7 @@ def test_failed_build_leaves_previous_output_untouched(tmp_path, monkeypatch):
     assert cli.main(["build", str(changed), "-o", str(tmp_path)]) == 1
     monkeypatch.undo()
     assert _tree(tmp_path / "tiny") == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["changed.yaml", "tiny", "tiny.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tiny.lock", "changed.yaml", "tiny", "tiny.yaml"]
 
 
 def _user_file(path: Path) -> None:

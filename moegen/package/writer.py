@@ -3,6 +3,8 @@ it into place, so a failed build leaves the previous output untouched. Identical
 not rewritten at all."""
 from __future__ import annotations
 
+import fcntl
+import glob
 import os
 import shutil
 import tempfile
@@ -45,17 +47,41 @@ def check_destination(folder: Path) -> None:
 
 
 def write_package(folder: Path, files: dict[str, str | bytes]) -> bool:
-    """Returns True if anything was written."""
+    """Returns True if anything was written. Writers of one package take turns (a lock file
+    beside it), so a staging folder found while holding the lock was left by a killed build."""
     folder = Path(folder)
     check_destination(folder)
     if _same_content(folder, files):
         return False
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
-    except OSError as error:  # read-only, a system folder, a name too long
-        raise OutputError(f"{folder.parent}: cannot write there ({error.strerror}); build elsewhere with "
-                          "-o DIR") from None
+        lock = open(folder.parent / f".{folder.name}.lock", "a")
+    except OSError as error:
+        raise _cannot_write(folder, error) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for kind in ("new", "old"):  # staging folders of a build killed between its renames
+            for leftover in folder.parent.glob(f".{glob.escape(folder.name)}.{kind}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        if _same_content(folder, files):  # the writer before us wrote the same
+            return False
+        try:
+            staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.new-", dir=folder.parent))
+        except OSError as error:
+            raise _cannot_write(folder, error) from None
+        _swap_in(folder, staging, files)
+    return True
+
+
+def _cannot_write(folder: Path, error: OSError) -> OutputError:
+    """A destination that refuses the build's first files: read-only, a system folder, a name too long."""
+    return OutputError(f"{folder.parent}: cannot write there ({error.strerror or error}); build elsewhere with "
+                       "-o DIR")
+
+
+def _swap_in(folder: Path, staging: Path, files: dict[str, str | bytes]) -> None:
+    """Write files into the staging sibling, then rename it into place (the previous package
+    moves aside first and is deleted after, or put back if anything fails)."""
     retired = None
     try:
         for name, content in files.items():
@@ -77,4 +103,3 @@ def write_package(folder: Path, files: dict[str, str | bytes]) -> bool:
     finally:
         if retired is not None:
             shutil.rmtree(retired, ignore_errors=True)
-    return True
