@@ -212,7 +212,7 @@ def _check_tensor(name: str, value) -> None:
 
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype, device):
-    """dtype: one dtype, FLOATING (any real floating dtype), INTEGER (any integer dtype) or None."""
+    """dtype: one dtype, FLOATING (any real floating dtype) or INTEGER (any integer dtype)."""
     _check_tensor(name, tensor)
     if tuple(tensor.shape) != shape:
         expected = ", ".join(map(str, shape))  # a dimension named "T" where the batch is unknown
@@ -222,7 +222,7 @@ def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype, device):
     elif dtype is INTEGER:
         wrong = tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool
     else:
-        wrong = dtype is not None and tensor.dtype != dtype
+        wrong = tensor.dtype != dtype
     if wrong:
         expected = f"dtype {dtype}" if isinstance(dtype, torch.dtype) else f"{dtype} dtype"
         raise ValueError(f"{name}: expected {expected}, got {tensor.dtype}")
