@@ -104,8 +104,7 @@ def load_trace(path) -> Trace:
     bad = (ids < 0) | (ids >= num_experts)
     if bad.any():
         token, layer, slot = (int(i) for i in np.argwhere(bad)[0])
-        raise TraceError(path, numbers[token], f"layer {layer}: expert id {int(ids[token, layer, slot])} out of range",
-                         f"ids must lie in 0..{num_experts - 1} (num_experts {num_experts} in the header)")
+        raise _out_of_range(path, numbers[token], layer, int(ids[token, layer, slot]), num_experts)
     ordered = np.sort(ids, axis=2)
     repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
     if repeated.any():
@@ -187,9 +186,13 @@ def _check_token(path: Path, number: int, token: dict, layers: int, num_experts:
                              "expert ids are integers in 0..num_experts-1")
         wrong = next((e for e in row if not 0 <= e < num_experts), None)
         if wrong is not None:
-            raise TraceError(path, number, f"layer {layer}: expert id {_short(wrong)} out of range",
-                             f"ids must lie in 0..{num_experts - 1} (num_experts {num_experts} in the header)")
+            raise _out_of_range(path, number, layer, wrong, num_experts)
     return experts
+
+
+def _out_of_range(path: Path, number: int, layer: int, expert: int, num_experts: int) -> TraceError:
+    return TraceError(path, number, f"layer {layer}: expert id {_short(expert)} out of range",
+                      f"ids must lie in 0..{num_experts - 1} (num_experts {num_experts} in the header)")
 
 
 def _short(value) -> str:

@@ -95,8 +95,7 @@ class MoELayerBase(torch.nn.Module):
         m = self.spec.model
         for key, dest in targets.items():
             value = state_dict[key]
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{key}: expected a torch.Tensor, got {type(value).__name__}")
+            fused._check_tensor(key, value)
             if value.is_meta:
                 raise TypeError(f"{key}: a tensor without data (device meta); load the checkpoint's weights")
             if not value.dtype.is_floating_point:
