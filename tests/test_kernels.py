@@ -527,8 +527,20 @@ def _mixtral_checkpoint(model: dict) -> dict:
     return sd
 
 
+def _stacked(sd: dict, down: bool = True) -> dict:
+    """The checkpoint's experts stacked as a transformers 5 module holds them."""
+    e = sum(k.endswith(".w1.weight") for k in sd)
+    stacked = {"gate.weight": sd["gate.weight"],
+               "experts.gate_up_proj": torch.stack([torch.cat([sd[f"experts.{x}.w1.weight"], sd[f"experts.{x}.w3.weight"]])
+                                                    for x in range(e)])}
+    if down:
+        stacked["experts.down_proj"] = torch.stack([sd[f"experts.{x}.w2.weight"] for x in range(e)])
+    return stacked
+
+
 BAD_CHECKPOINTS = [  # (case, how BASE's checkpoint is spoiled, the error expected)
-    ("no_experts", lambda sd: {"gate.weight": sd["gate.weight"]}, (KeyError, "experts.0.w1.weight nor")),
+    ("no_experts", lambda sd: {"gate.weight": sd["gate.weight"]},
+     (KeyError, "experts.0.w1.weight, experts.0.gate_proj.weight nor experts.gate_up_proj")),
     ("one_expert_missing", lambda sd: {k: v for k, v in sd.items() if not k.startswith("experts.5.")},
      (KeyError, r"no 'experts.5.w1.weight' \(prefix ''\) and 2 more")),
     ("down_transposed", lambda sd: sd | {"experts.3.w2.weight": sd["experts.3.w2.weight"].T},
@@ -537,6 +549,10 @@ BAD_CHECKPOINTS = [  # (case, how BASE's checkpoint is spoiled, the error expect
      (ValueError, r"gate.weight: expected shape \[6, 40\], got \[1, 40\]")),
     ("extra_key", lambda sd: sd | {"experts.6.w1.weight": sd["experts.0.w1.weight"]},
      (KeyError, r"does not use: \['experts.6.w1.weight'\]")),
+    ("stacked_without_down", lambda sd: _stacked(sd, down=False), (KeyError, r"no 'experts.down_proj'")),
+    ("stacked_down_transposed", lambda sd: _stacked(sd) | {"experts.down_proj": _stacked(sd)["experts.down_proj"].mT},
+     (ValueError, r"experts.down_proj: expected shape \[6, 40, 24\], got \[6, 24, 40\]")),
+    ("stacked_and_per_expert", lambda sd: sd | _stacked(sd), (KeyError, r"does not use: \['experts.0.w1.weight'")),
     ("not_a_mapping", lambda sd: list(sd.items()), (TypeError, r"state_dict: expected a mapping of names to tensors")),
     # right shapes, but nothing to copy from: checked before any tensor is copied
     ("meta_tensor", lambda sd: sd | {"experts.5.w2.weight": torch.empty(40, 24, device="meta")},
@@ -631,6 +647,26 @@ def test_layer_names_what_it_cannot_run(case, kwargs, x, message, package_factor
         layer = pkg.MoELayer(device=DEVICE, **kwargs)
         layer = layer.to(convert) if convert is not None else layer
         layer(torch.randn(x[0]).to(x[1]).to(DEVICE))
+
+
+def test_layer_built_on_meta_runs_once_materialized(package_factory):
+    """Deferred initialization: a layer built on the meta device names what it lacks, then runs
+    once moved to real memory and loaded."""
+    pkg = package_factory(**BASE)
+    layer = pkg.MoELayer(device="meta")
+    with pytest.raises(ValueError, match=r"on the meta device \(shapes without data\).*to_empty"):
+        layer(torch.randn(3, 40, device="meta"))
+    layer.to_empty(device=DEVICE)
+    checkpoint = _mixtral_checkpoint(BASE)
+    layer.load_hf_state_dict(checkpoint)
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        out = layer(x.to(DEVICE)).cpu()
+    w13 = torch.stack([torch.cat([checkpoint[f"experts.{e}.w1.weight"], checkpoint[f"experts.{e}.w3.weight"]])
+                       for e in range(6)])
+    w2 = torch.stack([checkpoint[f"experts.{e}.w2.weight"] for e in range(6)])
+    expected = ref.moe_reference(x, x @ checkpoint["gate.weight"].T, w13, w2, pkg.KERNELS.routing, "silu")
+    assert ref.relative_error(out, expected) <= TOLERANCE["float32"]
 
 
 def test_layer_is_for_inference(package_factory):

@@ -240,6 +240,9 @@ def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[i
     _check("hidden_states", hidden_states, (tokens, h), ks.dtype, device)
     _check(names[0], w13, (e, 2 * i, h), ks.dtype, device)
     _check(names[1], w2, (e, h, i), ks.dtype, device)
+    if device.type == "meta":
+        raise ValueError("hidden_states and the weights are on the meta device (shapes without data); give the "
+                         "kernels real tensors: a layer built on meta needs .to_empty(device='cuda') and its weights")
     if device.type != "cuda" and not ks.interpreted:
         late = " (it was set only after the import)" if knobs.triton_interpret() else ""
         raise RuntimeError(f"moegen kernels need CUDA tensors (got {device}); on the CPU set "

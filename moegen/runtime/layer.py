@@ -80,9 +80,12 @@ class MoELayerBase(torch.nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: dict, prefix: str = "") -> None:
-        """Load a Hugging Face MoE block: `gate.weight`, `experts.{e}.w1/w3/w2.weight` (Mixtral)
-        or `experts.{e}.gate_proj/up_proj/down_proj.weight`, optional
-        `gate.e_score_correction_bias` and `shared_experts.gate_proj/up_proj/down_proj.weight`.
+        """Load a Hugging Face MoE block: `gate.weight`; the experts per expert as checkpoints
+        store them, `experts.{e}.w1/w3/w2.weight` (Mixtral) or
+        `experts.{e}.gate_proj/up_proj/down_proj.weight`, or stacked as a transformers 5 module
+        holds them, `experts.gate_up_proj` [E, 2I, H] (gate first) and `experts.down_proj`
+        [E, H, I]; optional `gate.e_score_correction_bias` and
+        `shared_experts.gate_proj/up_proj/down_proj.weight`.
         Every tensor is checked (present, exact shape: no broadcasting) before any is copied, so a
         checkpoint that does not fit leaves the layer as it was."""
         if not isinstance(state_dict, Mapping):
@@ -113,16 +116,21 @@ class MoELayerBase(torch.nn.Module):
 
     def _hf_targets(self, state_dict: dict, prefix: str) -> list[tuple[str, torch.Tensor]]:
         """(checkpoint name without the prefix, the part of a parameter it fills), in load order."""
-        names = next((n for n in PROJECTION_NAMES.values() if prefix + f"experts.0.{n[0]}.weight" in state_dict), None)
-        if names is None:
-            raise KeyError(f"state dict has no {prefix}experts.0.w1.weight nor {prefix}experts.0.gate_proj.weight")
-        gate_name, up_name, down_name = names
-        inter = self.spec.model.intermediate_size
         targets = [("gate.weight", self.gate.weight)]
-        for e in range(self.spec.model.num_experts):
-            targets += [(f"experts.{e}.{gate_name}.weight", self.w13[e, :inter]),
-                        (f"experts.{e}.{up_name}.weight", self.w13[e, inter:]),
-                        (f"experts.{e}.{down_name}.weight", self.w2[e])]
+        if prefix + "experts.gate_up_proj" in state_dict:
+            targets += [("experts.gate_up_proj", self.w13), ("experts.down_proj", self.w2)]
+        else:
+            names = next((n for n in PROJECTION_NAMES.values() if prefix + f"experts.0.{n[0]}.weight" in state_dict),
+                         None)
+            if names is None:
+                raise KeyError(f"state dict has no {prefix}experts.0.w1.weight, {prefix}experts.0.gate_proj.weight "
+                               f"nor {prefix}experts.gate_up_proj")
+            gate_name, up_name, down_name = names
+            inter = self.spec.model.intermediate_size
+            for e in range(self.spec.model.num_experts):
+                targets += [(f"experts.{e}.{gate_name}.weight", self.w13[e, :inter]),
+                            (f"experts.{e}.{up_name}.weight", self.w13[e, inter:]),
+                            (f"experts.{e}.{down_name}.weight", self.w2[e])]
         if self.correction_bias is not None:
             targets.append(("gate.e_score_correction_bias", self.correction_bias))
         if self.shared_w13 is not None:

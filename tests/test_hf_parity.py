@@ -1,0 +1,108 @@
+"""MoELayer against the Hugging Face transformers modules it stands in for: each model family's
+MoE block with random weights, its state dict loaded as it is (per-expert keys in transformers 4,
+stacked experts in transformers 5), the same hidden states through both.
+
+float32 (the interpreter computes bf16 dots wrongly); on a GPU the same cases run the compiled
+kernels."""
+from __future__ import annotations
+
+import importlib
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moegen import reference as ref
+
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (pip install -e '.[test]')")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, I = 32, 24  # I not a multiple of the kernels' 16-wide tiles
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    checkpoint_names: tuple[str, str, str]  # gate, up and down per expert in the model's checkpoints
+    module: str  # transformers.models.<module>
+    config: str
+    block: str
+    config_fields: dict  # beside the sizes
+    spec: dict  # moegen's model fields beside the sizes
+
+
+LLAMA_NAMES = ("gate_proj", "up_proj", "down_proj")
+FAMILIES = [
+    Family("mixtral", ("w1", "w3", "w2"), "mixtral", "MixtralConfig", "MixtralSparseMoeBlock",
+           dict(intermediate_size=I, num_local_experts=6, num_experts_per_tok=2),
+           dict(num_experts=6, top_k=2, scoring="softmax", renormalize=True)),
+    Family("qwen3_moe", LLAMA_NAMES, "qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock",
+           dict(moe_intermediate_size=I, num_experts=12, num_experts_per_tok=4, norm_topk_prob=True),
+           dict(num_experts=12, top_k=4, scoring="softmax", renormalize=True)),
+    Family("olmoe", LLAMA_NAMES, "olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock",
+           dict(intermediate_size=I, num_experts=10, num_experts_per_tok=3, norm_topk_prob=False),
+           dict(num_experts=10, top_k=3, scoring="softmax", renormalize=False)),
+    Family("deepseek_v2_lite", LLAMA_NAMES, "deepseek_v2", "DeepseekV2Config", "DeepseekV2Moe",
+           dict(moe_intermediate_size=I, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
+                topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False),
+           dict(num_experts=8, top_k=3, scoring="softmax", renormalize=False, num_shared_experts=2,
+                shared_intermediate_size=I)),
+    Family("deepseek_v3", LLAMA_NAMES, "deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE",
+           dict(moe_intermediate_size=I, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
+           dict(num_experts=16, top_k=4, scoring="sigmoid", renormalize=True, n_group=4, topk_group=2,
+                routed_scaling_factor=2.5, correction_bias=True, num_shared_experts=1, shared_intermediate_size=I)),
+]
+BATCHES = [(1, 1), (2, 5), (3, 11)]  # (batch, sequence): one token, a decode batch, beyond the smallest buckets
+LAYOUTS = ["module", "checkpoint"]  # the block's own state dict; per-expert tensors as checkpoint files store them
+
+
+def _hf_block(family: Family, generator: torch.Generator) -> torch.nn.Module:
+    try:
+        models = importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+        config_class = getattr(transformers, family.config)
+        block_class = getattr(models, family.block)
+    except (ImportError, AttributeError):
+        pytest.skip(f"transformers {transformers.__version__} has no {family.block}")
+    config = config_class(hidden_size=H, hidden_act="silu", **family.config_fields)
+    block = block_class(config).eval()
+    with torch.no_grad():
+        for name, tensor in block.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.1)
+            else:  # gate [E, H], experts [.., out, in] or stacked [E, out, in]: scaled by the input width
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * tensor.shape[-1] ** -0.5)
+    return block
+
+
+def _per_expert(state_dict: dict, names: tuple[str, str, str]) -> dict:
+    """transformers 5's stacked experts split into the per-expert tensors of a checkpoint file
+    (transformers 4 modules hold them so already)."""
+    if "experts.gate_up_proj" not in state_dict:
+        return state_dict
+    result = {k: v for k, v in state_dict.items() if not k.startswith("experts.")}
+    for e, (gate_up, down) in enumerate(zip(state_dict["experts.gate_up_proj"], state_dict["experts.down_proj"])):
+        gate, up = gate_up.chunk(2)
+        result |= {f"experts.{e}.{names[0]}.weight": gate, f"experts.{e}.{names[1]}.weight": up,
+                   f"experts.{e}.{names[2]}.weight": down}
+    return result
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch", BATCHES, ids=[f"{b}x{s}" for b, s in BATCHES])
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_layer_matches_the_transformers_block(family, batch, layout, package_factory):
+    generator = torch.Generator().manual_seed(zlib.crc32(family.name.encode()) + batch[1])
+    block = _hf_block(family, generator)
+    pkg = package_factory(hidden_size=H, intermediate_size=I, dtype="float32", **family.spec)
+    layer = pkg.MoELayer(device=DEVICE)
+    state_dict = block.state_dict() if layout == "module" else _per_expert(block.state_dict(), family.checkpoint_names)
+    layer.load_hf_state_dict({f"mlp.{k}": v for k, v in state_dict.items()}, prefix="mlp.")
+    x = torch.randn(*batch, H, generator=generator)
+    with torch.no_grad():
+        expected = block(x)
+        expected = expected[0] if isinstance(expected, tuple) else expected  # transformers 4: (out, logits)
+        out = layer(x.to(DEVICE))
+    assert out.shape == x.shape
+    assert ref.relative_error(out.cpu().double(), expected.double()) <= ref.TOLERANCE["float32"]
