@@ -2,8 +2,9 @@
 MoE block with random weights, its state dict loaded as it is (per-expert keys in transformers 4,
 stacked experts in transformers 5), the same hidden states through both.
 
-float32 (the interpreter computes bf16 dots wrongly); on a GPU the same cases run the compiled
-kernels."""
+float32 and float16 (the interpreter computes bf16 dots wrongly); on a GPU the same cases run the
+compiled kernels. In float16 the router's dtype matters: DeepSeek's routers run in float32, and
+logits rounded to float16 would pick other experts near ties."""
 from __future__ import annotations
 
 import importlib
@@ -47,14 +48,16 @@ FAMILIES = [
            dict(moe_intermediate_size=I, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
                 topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False),
            dict(num_experts=8, top_k=3, scoring="softmax", renormalize=False, num_shared_experts=2,
-                shared_intermediate_size=I)),
+                shared_intermediate_size=I, router_dtype="float32")),
     Family("deepseek_v3", LLAMA_NAMES, "deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE",
            dict(moe_intermediate_size=I, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
                 n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
            dict(num_experts=16, top_k=4, scoring="sigmoid", renormalize=True, n_group=4, topk_group=2,
-                routed_scaling_factor=2.5, correction_bias=True, num_shared_experts=1, shared_intermediate_size=I)),
+                routed_scaling_factor=2.5, correction_bias=True, num_shared_experts=1, shared_intermediate_size=I,
+                router_dtype="float32")),
 ]
 BATCHES = [(1, 1), (2, 5), (3, 11)]  # (batch, sequence): one token, a decode batch, beyond the smallest buckets
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
 LAYOUTS = ["module", "checkpoint"]  # the block's own state dict; per-expert tensors as checkpoint files store them
 
 
@@ -89,20 +92,21 @@ def _per_expert(state_dict: dict, names: tuple[str, str, str]) -> dict:
     return result
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("batch", BATCHES, ids=[f"{b}x{s}" for b, s in BATCHES])
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
-def test_layer_matches_the_transformers_block(family, batch, layout, package_factory):
+def test_layer_matches_the_transformers_block(family, batch, layout, dtype, package_factory):
     generator = torch.Generator().manual_seed(zlib.crc32(family.name.encode()) + batch[1])
-    block = _hf_block(family, generator)
-    pkg = package_factory(hidden_size=H, intermediate_size=I, dtype="float32", **family.spec)
+    block = _hf_block(family, generator).to(DTYPES[dtype])
+    pkg = package_factory(hidden_size=H, intermediate_size=I, dtype=dtype, **family.spec)
     layer = pkg.MoELayer(device=DEVICE)
     state_dict = block.state_dict() if layout == "module" else _per_expert(block.state_dict(), family.checkpoint_names)
     layer.load_hf_state_dict({f"mlp.{k}": v for k, v in state_dict.items()}, prefix="mlp.")
-    x = torch.randn(*batch, H, generator=generator)
+    x = torch.randn(*batch, H, generator=generator).to(DTYPES[dtype])
     with torch.no_grad():
         expected = block(x)
         expected = expected[0] if isinstance(expected, tuple) else expected  # transformers 4: (out, logits)
         out = layer(x.to(DEVICE))
     assert out.shape == x.shape
-    assert ref.relative_error(out.cpu().double(), expected.double()) <= ref.TOLERANCE["float32"]
+    assert ref.relative_error(out.cpu().double(), expected.double()) <= ref.TOLERANCE[dtype]

@@ -669,6 +669,28 @@ def test_layer_built_on_meta_runs_once_materialized(package_factory):
     assert ref.relative_error(out, expected) <= TOLERANCE["float32"]
 
 
+@pytest.mark.parametrize("router_dtype", [None, "float32"])
+def test_layer_routes_from_logits_in_the_router_dtype(router_dtype, package_factory, monkeypatch):
+    """DeepSeek's routers run in float32 beside float16/bf16 experts: the logits the kernels get
+    are the float32 matmul's, also after a whole-layer .to() has converted the gate."""
+    from moegen.runtime import fused
+
+    pkg = package_factory(**dict(BASE, dtype="float16"), **({"router_dtype": router_dtype} if router_dtype else {}))
+    layer = pkg.MoELayer(device=DEVICE)
+    want = torch.float32 if router_dtype else torch.float16
+    assert layer.gate.weight.dtype == want
+    seen = []
+    real = fused.fused_moe
+    monkeypatch.setattr(fused, "fused_moe", lambda ks, x, logits, *a, **k: seen.append(logits) or real(ks, x, logits, *a, **k))
+    x = torch.randn(5, 40).to(DEVICE, torch.float16)
+    for converted in (layer, layer.to(torch.float16)):
+        with torch.no_grad():
+            converted(x)
+        logits = seen.pop()
+        assert logits.dtype == want
+        assert torch.equal(logits, torch.nn.functional.linear(x.to(want), layer.gate.weight.to(want)))
+
+
 def test_layer_is_for_inference(package_factory):
     """The kernels have no backward: the layer's parameters ask for none, rather than being
     handed a gradient that silently leaves the experts out."""

@@ -97,6 +97,7 @@ CASES = [
     Case("activation_case", with_model("activation: SiLU"), "model.activation", "did you mean 'silu'"),
     Case("bad_scoring", with_model("scoring: softmx"), "model.scoring", "did you mean 'softmax'"),
     Case("bad_dtype", with_model("dtype: fp8"), "model.dtype", "bfloat16, float16, float32"),
+    Case("bad_router_dtype", with_model("router_dtype: float"), "model.router_dtype", "did you mean 'float32'"),
     Case("bad_policy", BASE + "offload:\n  policy: lr\n", "offload.policy", "did you mean 'lru'", 8),
     Case("bad_prefetch", BASE + "offload:\n  prefetch: always\n", "offload.prefetch", "none, router, history"),
     # sizes

@@ -17,6 +17,18 @@ def _activation(name: str):
     return F.silu if name == "silu" else F.gelu
 
 
+class Router(torch.nn.Linear):
+    """The router matmul in the spec's router_dtype (DeepSeek's runs in float32 beside bf16
+    experts), also after a whole-model .to(dtype) has converted its weight."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype: torch.dtype, device=None):
+        super().__init__(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        self.compute_dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.compute_dtype), self.weight.to(self.compute_dtype))
+
+
 class MoELayerBase(torch.nn.Module):
     """For inference: the kernels have no backward, so no parameter asks for a gradient."""
 
@@ -31,7 +43,8 @@ class MoELayerBase(torch.nn.Module):
             raise ValueError(f"dtype {dtype}: this package's kernels are compiled for {self.kernels.dtype} "
                              f"(the spec's model.dtype); leave dtype unset, or build a spec for {dtype}")
         factory = dict(device=device, dtype=dtype)
-        self.gate = torch.nn.Linear(m.hidden_size, m.num_experts, bias=False, **factory)
+        self.gate = Router(m.hidden_size, m.num_experts, getattr(torch, m.router_dtype) if m.router_dtype else dtype,
+                           device)
         self.w13 = torch.nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **factory))
         self.w2 = torch.nn.Parameter(torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **factory))
         # DeepSeek-V3 keeps its selection bias in float32.

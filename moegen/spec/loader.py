@@ -109,6 +109,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.activation": schema.ACTIVATIONS,
     "model.scoring": schema.SCORINGS,
     "model.dtype": schema.DTYPES,
+    "model.router_dtype": schema.DTYPES,
     "offload.policy": schema.OFFLOAD_POLICIES,
     "offload.prefetch": schema.PREFETCH_MODES,
 }

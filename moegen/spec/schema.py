@@ -35,6 +35,9 @@ class ModelSpec:
     num_shared_experts: int = 0
     shared_intermediate_size: int = 0
     dtype: str = "bfloat16"
+    # The router matmul's dtype (weights and logits); None: the model dtype. DeepSeek's routers
+    # run in float32, whose logits rounded to bf16 would pick other experts near ties.
+    router_dtype: Optional[str] = None
 
     @property
     def expert_bytes(self) -> int:
