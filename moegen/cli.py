@@ -81,6 +81,28 @@ def _cmd_plan(args) -> int:
     return 0
 
 
+def _cmd_spec(args) -> int:
+    from moegen.spec.from_hf import default_name, read_config, spec_text
+
+    values, source = read_config(Path(args.config))
+    buckets = _buckets(args.buckets)
+    text = spec_text(values, source, args.name or default_name(values, source), args.gpu,
+                     tuple(buckets) if buckets else None)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.output, "x", encoding="utf-8") as handle:  # "x": never over a file of the user's
+            handle.write(text)
+    except FileExistsError:
+        raise UsageError(f"-o {args.output}: exists; moegen spec writes only a new file: pick another name") from None
+    except OSError as error:
+        raise UsageError(f"-o {args.output}: cannot write it ({error.strerror}); pass a file in a folder "
+                         "that exists and is writable") from None
+    print(f"{args.output}: written; check it, then `moegen build {args.output}`", file=sys.stderr)
+    return 0
+
+
 def _cmd_build(args) -> int:
     from moegen.package import build
 
@@ -109,6 +131,14 @@ def parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a spec file and report every problem as FILE:LINE:COL")
     v.add_argument("spec")
     v.set_defaults(run=_cmd_validate)
+
+    s = sub.add_parser("spec", help="write a spec for a Hugging Face model from its config.json")
+    s.add_argument("config", help="the model's config.json, or the folder holding it")
+    s.add_argument("--name", help="the spec's name (default: from the model's folder)")
+    s.add_argument("--gpu", default="h200", help="target.gpu (default: h200)")
+    s.add_argument("--buckets", help="comma-separated token buckets (default: moegen's)")
+    s.add_argument("-o", "--output", help="write this new file instead of printing the spec")
+    s.set_defaults(run=_cmd_spec)
 
     b = sub.add_parser("build", help="render a spec into an importable package")
     b.add_argument("spec")

@@ -1,0 +1,186 @@
+"""A spec from a Hugging Face config.json: the MoE fields of each model family moegen runs, read
+as that family's transformers code uses them. The result is spec YAML in the shipped specs'
+layout, validated by the spec loader before it is returned."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from moegen.errors import SpecError
+from moegen.spec.loader import load_spec_text
+from moegen.spec.schema import ModelSpec
+
+MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}  # HF's "gelu" is the exact (erf) GELU
+_DTYPES = ("bfloat16", "float16", "float32")
+_MISSING = object()
+
+
+class _Config:
+    """The config's values, each read through a check that names the file and the key."""
+
+    def __init__(self, values: Mapping, source: str):
+        self.values, self.source = values, source
+
+    def get(self, key: str, kind: type, default: Any = _MISSING, aliases: tuple[str, ...] = ()) -> Any:
+        """The value of key, or of the first alias present (config classes rename keys on saving)."""
+        key = next((k for k in (key, *aliases) if k in self.values), key)
+        value = self.values.get(key, default)
+        if value is _MISSING:
+            family = self.values.get("model_type")
+            owner = f"a {family} config.json" if isinstance(family, str) else "a model's config.json"
+            raise SpecError(self.source, key, "missing", f"{owner} has `{key}`; pass the model's own config.json")
+        if value is None and default is not _MISSING:
+            return default
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = {bool: isinstance(value, bool), int: number and isinstance(value, int), float: number}.get(
+            kind, isinstance(value, kind))
+        if not ok:
+            raise SpecError(self.source, key, f"expected {kind.__name__}, got {json.dumps(value)[:40]}",
+                            "pass the model's own config.json")
+        return value
+
+    def fail(self, key: str, problem: str, fix: str):
+        raise SpecError(self.source, key, problem, fix)
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _common(c: _Config, inter_key: str, experts_key: str) -> dict:
+    act = c.get("hidden_act", str, "silu")
+    if act not in _ACTIVATIONS:
+        c.fail("hidden_act", f"activation {act!r} is not supported", f"moegen's experts run {', '.join(_ACTIVATIONS)}")
+    dtype_key = "torch_dtype" if c.values.get("torch_dtype") is not None else "dtype"  # transformers 5: dtype
+    dtype = c.get(dtype_key, str, "bfloat16")
+    if dtype not in _DTYPES:
+        c.fail(dtype_key, f"dtype {dtype!r} is not supported",
+               "moegen builds bfloat16, float16 or float32 kernels; edit model.dtype in the spec")
+    return dict(hidden_size=c.get("hidden_size", int), intermediate_size=c.get(inter_key, int),
+                num_experts=c.get(experts_key, int, aliases=_EXPERT_COUNT_KEYS), top_k=c.get("num_experts_per_tok", int),
+                activation=_ACTIVATIONS[act], dtype=dtype)
+
+
+def _mixtral(c: _Config) -> dict:
+    return dict(_common(c, "intermediate_size", "num_local_experts"), num_layers=c.get("num_hidden_layers", int),
+                scoring="softmax", renormalize=True)
+
+
+def _olmoe(c: _Config) -> dict:
+    return dict(_common(c, "intermediate_size", "num_experts"), num_layers=c.get("num_hidden_layers", int),
+                scoring="softmax", renormalize=c.get("norm_topk_prob", bool, False))
+
+
+def _qwen3_moe(c: _Config) -> dict:
+    # Layer i is sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th.
+    step = c.get("decoder_sparse_step", int, 1)
+    dense = set(c.get("mlp_only_layers", list, []))
+    layers = sum(1 for i in range(c.get("num_hidden_layers", int)) if i not in dense and (i + 1) % max(step, 1) == 0)
+    return dict(_common(c, "moe_intermediate_size", "num_experts"), num_layers=layers, scoring="softmax",
+                renormalize=c.get("norm_topk_prob", bool, False))
+
+
+def _deepseek(c: _Config) -> dict:
+    """DeepSeek-V2 (softmax, greedy or group-limited top-k) and V3 (sigmoid, noaux_tc: a
+    correction bias and groups scored by their two best)."""
+    v3 = c.values["model_type"] != "deepseek_v2"  # transformers' V3 config omits the two keys its router implies
+    method = c.get("topk_method", str, "noaux_tc" if v3 else "greedy")
+    methods = {"greedy": False, "group_limited_greedy": False, "noaux_tc": True}
+    if method not in methods:
+        c.fail("topk_method", f"{method!r} is not supported", f"moegen routes {', '.join(methods)}")
+    scoring = c.get("scoring_func", str, "sigmoid" if v3 else "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        c.fail("scoring_func", f"{scoring!r} is not supported", "moegen scores by softmax or sigmoid")
+    grouped = method != "greedy"
+    first_sparse, every = c.get("first_k_dense_replace", int, 0), c.get("moe_layer_freq", int, 1)
+    layers = sum(1 for i in range(first_sparse, c.get("num_hidden_layers", int)) if i % max(every, 1) == 0)
+    shared = c.get("n_shared_experts", int, 0)
+    return dict(_common(c, "moe_intermediate_size", "n_routed_experts"), num_layers=layers, scoring=scoring,
+                renormalize=c.get("norm_topk_prob", bool, False),
+                n_group=c.get("n_group", int, 1) if grouped else 1,
+                topk_group=c.get("topk_group", int, 1) if grouped else 1,
+                routed_scaling_factor=float(c.get("routed_scaling_factor", float, 1.0)),
+                correction_bias=methods[method], num_shared_experts=shared,
+                shared_intermediate_size=c.get("moe_intermediate_size", int) if shared else 0,
+                router_dtype="float32")  # DeepseekV*TopkRouter: float32 logits
+
+
+FAMILIES: dict[str, Callable[[_Config], dict]] = {
+    "mixtral": _mixtral, "olmoe": _olmoe, "qwen3_moe": _qwen3_moe,
+    "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "kimi_k2": _deepseek,
+}
+_REFUSED = {
+    "qwen2_moe": "its shared expert is scaled by a sigmoid gate of its own (shared_expert_gate), which moegen's "
+                 "spec does not model",
+}
+
+
+def model_fields(config: Mapping, source: str = "<config>") -> dict:
+    """ModelSpec fields from a config.json's values."""
+    c = _Config(config, source)
+    family = c.get("model_type", str)
+    if family in _REFUSED:
+        c.fail("model_type", f"{family!r} is not supported: {_REFUSED[family]}", "write the spec by hand if it fits")
+    if family not in FAMILIES:
+        c.fail("model_type", f"{family!r} is not a model family moegen reads",
+               f"known: {', '.join(FAMILIES)}; or write the spec by hand (docs/spec.md)")
+    return FAMILIES[family](c)
+
+
+def read_config(path: Path) -> tuple[dict, str]:
+    """(values, the file read) of a config.json, or of the config.json in a model folder."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = file.read_bytes()[: MAX_CONFIG_BYTES + 1] if file.is_file() else None
+    except OSError as error:
+        raise SpecError(str(file), "", f"cannot read the file ({error.strerror})", "check its permissions") from None
+    if raw is None:
+        raise SpecError(str(file), "", "no such file", "pass a model's config.json or the folder holding it")
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise SpecError(str(file), "", f"over {MAX_CONFIG_BYTES} bytes", "pass the model's config.json")
+    try:
+        values = json.loads(raw.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise SpecError(str(file), "", f"not JSON ({str(error)[:80]})", "pass the model's config.json") from None
+    if not isinstance(values, dict):
+        raise SpecError(str(file), "", "not a JSON object", "pass the model's config.json")
+    return values, str(file)
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
+        return json.dumps(value)  # a JSON string is a YAML scalar: no name or GPU can add YAML of its own
+    return str(value)
+
+
+def spec_text(config: Mapping, source: str, name: str, gpu: str = "h200",
+              token_buckets: Optional[tuple[int, ...]] = None) -> str:
+    """Spec YAML for the model of this config (every model field written out), checked by the
+    spec loader; a SpecError names the config's key or the spec field that does not fit."""
+    model = model_fields(config, source)
+    model.setdefault("router_dtype", model["dtype"])  # every field written out, as in the shipped specs
+    lines = [f"# Generated by `moegen spec` from {json.dumps(source)} (model_type {config['model_type']}).",
+             "# Check it against the model card before building: docs/spec.md explains every field.",
+             f"name: {_yaml(name)}", "model:"]
+    lines += [f"  {f.name}: {_yaml(model.get(f.name, f.default))}" for f in fields(ModelSpec)]
+    lines += ["target:", f"  gpu: {_yaml(gpu)}"]
+    if token_buckets:
+        lines += ["workload:", f"  token_buckets: [{', '.join(map(str, token_buckets))}]"]
+    text = "\n".join(lines) + "\n"
+    load_spec_text(text, f"<spec from {source}>")  # what the loader refuses is refused here
+    return text
+
+
+def default_name(config: Mapping, file: str) -> str:
+    """A spec name from the model's folder (e.g. 'Mixtral-8x7B-v0.1' -> 'mixtral-8x7b-v0.1')."""
+    folder = Path(file).resolve().parent.name
+    candidate = re.sub(r"[^a-z0-9_.\-]+", "-", folder.lower()).strip("-.")
+    if not candidate or not candidate[0].isalpha():
+        candidate = str(config.get("model_type", "model")).replace("_", "-")
+    return candidate[:64]

@@ -1,0 +1,102 @@
+"""`moegen spec`: a spec from a Hugging Face config.json. The MoE keys of the shipped models'
+published configs give the shipped specs' model sections; bad configs exit 2 naming the file and
+the key. (tests/test_hf_parity.py runs the mapping against transformers' own blocks.)"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from moegen.cli import main
+from moegen.spec import load_spec
+from moegen.spec.from_hf import model_fields
+from moegen.spec.schema import ModelSpec
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+# The keys moegen reads, with the published configs' values (dtype bfloat16 throughout).
+PUBLISHED = {
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=32, hidden_act="silu", torch_dtype="bfloat16"),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", torch_dtype="bfloat16"),
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_experts=64,
+                        num_experts_per_tok=8, num_hidden_layers=16, norm_topk_prob=False, hidden_act="silu",
+                        torch_dtype="bfloat16"),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+                             moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                             num_hidden_layers=27, first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy",
+                             n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                             scoring_func="softmax", hidden_act="silu", torch_dtype="bfloat16"),
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                        num_hidden_layers=61, first_k_dense_replace=3, moe_layer_freq=1, hidden_act="silu",
+                        torch_dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_configs_give_the_shipped_models(name):
+    shipped = load_spec(SPECS / f"{name}.yaml").model
+    fields = model_fields(PUBLISHED[name])
+    assert ModelSpec(**(dict(router_dtype=fields["dtype"]) | fields)) == shipped
+
+
+def test_cli_writes_a_spec_that_builds_the_same_package_inputs(tmp_path, capsys):
+    folder = tmp_path / "DeepSeek-V3"  # a model snapshot: the name comes from its folder
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PUBLISHED["deepseek-v3"]))
+    assert main(["spec", str(folder), "--buckets", "1,8,64", "-o", str(tmp_path / "spec.yaml")]) == 0
+    spec = load_spec(tmp_path / "spec.yaml")
+    assert spec.name == "deepseek-v3" and spec.workload.token_buckets == (1, 8, 64)
+    assert spec.model == load_spec(SPECS / "deepseek-v3.yaml").model
+    assert main(["spec", str(folder / "config.json"), "--name", "dsv3"]) == 0  # to stdout
+    assert "name: dsv3\n" in capsys.readouterr().out
+
+
+@dataclass(frozen=True)
+class Bad:
+    name: str
+    config: object  # a dict written as JSON, or raw text
+    message: str
+
+
+MIXTRAL = PUBLISHED["mixtral-8x7b"]
+BAD_CONFIGS = [
+    Bad("unknown_family", MIXTRAL | {"model_type": "llama"}, "model_type: 'llama' is not a model family moegen reads"),
+    Bad("qwen2_moe", MIXTRAL | {"model_type": "qwen2_moe"}, "shared_expert_gate"),
+    Bad("no_model_type", {k: v for k, v in MIXTRAL.items() if k != "model_type"}, "model_type: missing"),
+    Bad("missing_key", {k: v for k, v in MIXTRAL.items() if k != "hidden_size"}, "hidden_size: missing"),
+    Bad("string_number", MIXTRAL | {"hidden_size": "4096"}, 'hidden_size: expected int, got "4096"'),
+    Bad("bool_number", MIXTRAL | {"num_experts_per_tok": True}, "num_experts_per_tok: expected int, got true"),
+    Bad("tanh_gelu", MIXTRAL | {"hidden_act": "gelu_pytorch_tanh"}, "activation 'gelu_pytorch_tanh' is not supported"),
+    Bad("fp8_dtype", MIXTRAL | {"torch_dtype": "float8_e4m3fn"}, "torch_dtype: dtype 'float8_e4m3fn' is not supported"),
+    Bad("topk_method", PUBLISHED["deepseek-v3"] | {"topk_method": "random"}, "topk_method: 'random' is not supported"),
+    Bad("spec_rule", MIXTRAL | {"num_experts_per_tok": 9}, "model.top_k: top_k 9 is larger than num_experts 8"),
+    Bad("not_json", "{", "not JSON"),
+    Bad("not_an_object", "[1, 2]", "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS, ids=[c.name for c in BAD_CONFIGS])
+def test_bad_configs_exit_2_naming_file_and_key(case, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(case.config if isinstance(case.config, str) else json.dumps(case.config))
+    assert main(["spec", str(config), "--name", "m", "-o", str(tmp_path / "spec.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert str(config) in err and case.message in err, err
+    assert not (tmp_path / "spec.yaml").exists()
+
+
+def test_no_config_and_existing_output_exit_2(tmp_path, capsys):
+    assert main(["spec", str(tmp_path)]) == 2  # a folder without config.json
+    assert f"{tmp_path / 'config.json'}: no such file" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
+    mine = tmp_path / "spec.yaml"
+    mine.write_text("my own notes\n")
+    assert main(["spec", str(tmp_path), "-o", str(mine)]) == 2
+    assert "exists" in capsys.readouterr().err and mine.read_text() == "my own notes\n"
