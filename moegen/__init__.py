@@ -9,3 +9,10 @@ def load(path):
     from moegen.package.loader import load_package
 
     return load_package(path)
+
+
+def replace_moe_blocks(model, package) -> int:
+    """Swap the MoE blocks of a transformers 5 model for `package.MoELayer` (see moegen.runtime.hf)."""
+    from moegen.runtime.hf import replace_moe_blocks as replace
+
+    return replace(model, package)

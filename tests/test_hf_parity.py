@@ -112,3 +112,77 @@ def test_layer_matches_the_transformers_block(family, batch, layout, dtype, pack
         out = layer(x)
     assert out.shape == x.shape
     assert ref.relative_error(out.double(), expected.double()) <= ref.TOLERANCE[dtype]
+
+
+MODELS = [  # (family, CausalLM class, config class, the config beside the MoE sizes): two layers, tiny attention
+    ("mixtral", "MixtralForCausalLM", "MixtralConfig",
+     dict(intermediate_size=I, num_local_experts=6, num_experts_per_tok=2, num_key_value_heads=2)),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+     dict(intermediate_size=40, moe_intermediate_size=I, num_experts=12, num_experts_per_tok=4, norm_topk_prob=True,
+          num_key_value_heads=2, head_dim=8)),
+    ("olmoe", "OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=I, num_experts=10, num_experts_per_tok=3)),
+    ("deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Config",
+     dict(intermediate_size=40, moe_intermediate_size=I, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
+          first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+          v_head_dim=8, num_key_value_heads=4)),
+    ("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
+     dict(intermediate_size=40, moe_intermediate_size=I, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+          topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+]
+
+
+@pytest.mark.parametrize("family,model_class,config_class,config_fields", MODELS, ids=[m[0] for m in MODELS])
+def test_a_model_with_moegen_blocks_gives_the_same_logits(family, model_class, config_class, config_fields,
+                                                          package_factory):
+    """moegen.replace_moe_blocks on a whole transformers model: the logits of a prompt and the
+    greedy continuation stay the model's own (float32)."""
+    import moegen
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("replace_moe_blocks needs transformers 5")
+    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=3, num_attention_heads=4,
+                                                 vocab_size=64, max_position_embeddings=64, **config_fields)
+    generator = torch.Generator().manual_seed(zlib.crc32(family.encode()))
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.1)
+            elif "norm" not in name:  # every matrix scaled by its input width: the experts weigh in the output
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * tensor.shape[-1] ** -0.5)
+    model = model.to(DEVICE)
+    prompt = torch.randint(0, 64, (2, 7), generator=generator).to(DEVICE)
+    with torch.no_grad():
+        expected = model(prompt).logits
+        expected_tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    pkg = package_factory(**(model_fields(config.to_dict()) | {"dtype": "float32", "num_layers": 1}))
+    moe_layers = 3 - config_fields.get("first_k_dense_replace", 0)
+    assert moegen.replace_moe_blocks(model, pkg) == moe_layers
+    assert sum(isinstance(m, pkg.MoELayer) for m in model.modules()) == moe_layers
+    with torch.no_grad():
+        logits = model(prompt).logits
+        tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert ref.relative_error(logits.double(), expected.double()) <= ref.TOLERANCE["float32"]
+    assert torch.equal(tokens, expected_tokens)
+
+
+def test_replace_moe_blocks_refuses_a_package_for_another_model(package_factory):
+    import moegen
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("replace_moe_blocks needs transformers 5")
+    family, model_class, config_class, config_fields = MODELS[0]
+    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                                                 vocab_size=64, **config_fields)
+    model = getattr(transformers, model_class)(config).to(DEVICE)
+    fields = model_fields(config.to_dict()) | {"num_layers": 1}
+    for package, error, message in (
+            (package_factory(**(fields | {"top_k": 3, "dtype": "float32"})), ValueError, r"top_k 3 \(model: 2\)"),
+            (package_factory(**(fields | {"dtype": "float16"})), ValueError,
+             r"experts are torch.float32, the package's kernels torch.float16")):
+        with pytest.raises(error, match=message):
+            moegen.replace_moe_blocks(model, package)
+    with pytest.raises(TypeError, match="expected a transformers model, got Linear"):
+        moegen.replace_moe_blocks(torch.nn.Linear(2, 2), package)
+    assert not any(type(m).__name__ == "MoELayer" for m in model.modules())  # refused before any block moved

@@ -1,5 +1,5 @@
-"""`moegen spec`: a spec from a Hugging Face config.json. The MoE keys of the shipped models'
-published configs give the shipped specs' model sections; bad configs exit 2 naming the file and
+"""`moegen spec`: a spec from a Hugging Face config.json. The shipped models' published configs
+(specs/hf) give the shipped specs' model sections; bad configs exit 2 naming the file and
 the key. (tests/test_hf_parity.py runs the mapping against transformers' own blocks.)"""
 from __future__ import annotations
 
@@ -16,27 +16,12 @@ from moegen.spec.schema import ModelSpec
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 
-# The keys moegen reads, with the published configs' values (dtype bfloat16 throughout).
-PUBLISHED = {
-    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
-                         num_experts_per_tok=2, num_hidden_layers=32, hidden_act="silu", torch_dtype="bfloat16"),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, norm_topk_prob=True,
-                          decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", torch_dtype="bfloat16"),
-    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_experts=64,
-                        num_experts_per_tok=8, num_hidden_layers=16, norm_topk_prob=False, hidden_act="silu",
-                        torch_dtype="bfloat16"),
-    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
-                             moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
-                             num_hidden_layers=27, first_k_dense_replace=1, moe_layer_freq=1, topk_method="greedy",
-                             n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
-                             scoring_func="softmax", hidden_act="silu", torch_dtype="bfloat16"),
-    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-                        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
-                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-                        num_hidden_layers=61, first_k_dense_replace=3, moe_layer_freq=1, hidden_act="silu",
-                        torch_dtype="bfloat16"),
-}
+# The published configs' keys (specs/hf/README.md), one per shipped spec but the tiny one.
+PUBLISHED = {path.stem: json.loads(path.read_text()) for path in sorted((SPECS / "hf").glob("*.json"))}
+
+
+def test_every_shipped_model_has_its_config():
+    assert set(PUBLISHED) == {p.stem for p in SPECS.glob("*.yaml")} - {"tiny"}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -49,7 +34,7 @@ def test_published_configs_give_the_shipped_models(name):
 def test_cli_writes_a_spec_that_builds_the_same_package_inputs(tmp_path, capsys):
     folder = tmp_path / "DeepSeek-V3"  # a model snapshot: the name comes from its folder
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(PUBLISHED["deepseek-v3"]))
+    (folder / "config.json").write_text((SPECS / "hf" / "deepseek-v3.json").read_text())
     assert main(["spec", str(folder), "--buckets", "1,8,64", "-o", str(tmp_path / "spec.yaml")]) == 0
     spec = load_spec(tmp_path / "spec.yaml")
     assert spec.name == "deepseek-v3" and spec.workload.token_buckets == (1, 8, 64)

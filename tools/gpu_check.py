@@ -32,6 +32,9 @@
    kernels Triton compiled during it: any, for a package that ships them, is a failure.
 5. The expert-offload benchmark (tools/offload_bench.py): Mixtral- and DeepSeek-V2-Lite-sized
    stacks decoding with routing replayed from ../shared/traces at 25/50/75% residency.
+6. Hugging Face models (tools/hf_bench.py): each shipped model's architecture in transformers
+   (random bf16 weights), prefill and greedy decoding with transformers' own experts and then
+   with moegen's blocks in their place (moegen.replace_moe_blocks).
 
 Prints a markdown report; with $OUT set, also writes it to $OUT/gpu_check.md.
 """
@@ -81,6 +84,7 @@ def parse_args(argv=None):
     ap.add_argument("--traces", type=Path, default=REPO_ROOT.parent / "shared" / "traces",
                     help="folder of moegen-trace files for the offload benchmark (default ../shared/traces)")
     ap.add_argument("--skip-offload", action="store_true", help="do not run the expert-offload benchmark")
+    ap.add_argument("--skip-hf", action="store_true", help="do not run the Hugging Face models benchmark")
     ap.add_argument("--warm-triton-cache", action="store_true",
                     help="keep the user's Triton cache (the cold-start column then may not compile)")
     args = ap.parse_args(argv)
@@ -811,6 +815,13 @@ def main(argv=None) -> int:
         say()
         with tempfile.TemporaryDirectory(prefix="moegen-offload-") as build_dir:
             problems.extend(run_all(args.traces, Path(build_dir), say))
+        say()
+    if not args.cpu_smoke and not args.skip_hf:
+        from tools.hf_bench import run_all as run_hf_models
+
+        say("## Hugging Face models: transformers with moegen's MoE blocks")
+        say()
+        problems.extend(run_hf_models(say))
         say()
     if problems:
         failed = True

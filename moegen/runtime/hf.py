@@ -1,0 +1,53 @@
+"""A generated package's MoELayer in place of the MoE blocks of a Hugging Face transformers model."""
+from __future__ import annotations
+
+import torch
+
+from moegen.spec.from_hf import model_fields
+
+# transformers 5's MoE blocks of the families `moegen spec` reads: each takes and returns the
+# hidden states, as MoELayer does.
+BLOCK_CLASSES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "DeepseekV2Moe",
+                 "DeepseekV3MoE")
+
+
+def _spec_differences(model: torch.nn.Module, spec) -> list[str]:
+    """The model fields where the package's spec and the model's config disagree (the layer
+    count and dtype aside: a package serves any number of layers, and the weights' dtype is
+    checked per block)."""
+    wanted = model_fields(model.config.to_dict(), f"{type(model).__name__}.config")
+    return [f"{name} {getattr(spec, name)} (model: {value})" for name, value in wanted.items()
+            if name not in ("num_layers", "dtype") and getattr(spec, name) != value]
+
+
+def replace_moe_blocks(model: torch.nn.Module, package) -> int:
+    """Swap every MoE block of `model` for `package.MoELayer` holding the block's weights, on
+    the block's device; returns how many were swapped. The package must be built for the
+    model's config (`moegen spec` writes that spec) and the weights' dtype. Each block is freed
+    as its layer takes its place, so the experts are never held twice."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise RuntimeError(f"transformers {transformers.__version__}: replace_moe_blocks needs transformers 5, whose "
+                           "MoE blocks return only the hidden states; with 4, load blocks into package.MoELayer "
+                           "with load_hf_state_dict")
+    if not isinstance(getattr(model, "config", None), transformers.PretrainedConfig):
+        raise TypeError(f"expected a transformers model, got {type(model).__name__}")
+    differences = _spec_differences(model, package.SPEC.model)
+    if differences:
+        raise ValueError(f"package {package.SPEC.name} was built for another model: {'; '.join(differences)}; "
+                         "build a spec from the model's config.json (moegen spec)")
+    names = [name for name, module in model.named_modules() if type(module).__name__ in BLOCK_CLASSES]
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no MoE block moegen knows ({', '.join(BLOCK_CLASSES)})")
+    dtypes = {model.get_submodule(name).experts.gate_up_proj.dtype for name in names}
+    if dtypes != {package.KERNELS.dtype}:
+        raise ValueError(f"the model's experts are {', '.join(map(str, dtypes))}, the package's kernels "
+                         f"{package.KERNELS.dtype}; build for the model's dtype or convert the model")
+    for name in names:  # no reference kept: each block is freed once its layer replaces it
+        parent, _, child = name.rpartition(".")
+        block = model.get_submodule(name)
+        layer = package.MoELayer(device="meta").to_empty(device=block.experts.gate_up_proj.device)
+        layer.load_hf_state_dict(block.state_dict())
+        setattr(model.get_submodule(parent), child, layer)
+    return len(names)

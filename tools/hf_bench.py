@@ -1,0 +1,206 @@
+"""Hugging Face models on moegen's blocks, run by tools/gpu_check.py (section "Hugging Face models").
+
+Each shipped model's architecture (specs/hf/NAME.json) is built by transformers with random
+bf16 weights on the GPU. A batch of prompts is run once with transformers' own experts
+(`grouped_mm` for the prefill, `batched_mm` while `generate` decodes: its defaults), then again
+after `moegen.replace_moe_blocks` with the package that `moegen spec` of the same config builds.
+Both eager (no CUDA graphs, no torch.compile), so the difference is the MoE blocks alone.
+Reported: the prefill's and a greedy decode step's wall time (an eager forward is bound by the
+host's kernel launches) and their kernels' summed GPU time (torch.profiler; transformers' decode
+step outside `generate` runs its default `grouped_mm`), the relative difference of the prefill
+logits beside transformers' own between its eager and grouped_mm experts, and how many greedy
+steps agree.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CASES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v2-lite", "mixtral-8x7b")
+BATCHES = (1, 16)
+PROMPT_TOKENS = 128
+NEW_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Timing:
+    prefill_ms: float  # wall clock, eager
+    step_ms: float  # wall clock per greedy decode step, eager
+    prefill_gpu_ms: float  # the prefill's kernels alone (profiler): what a CUDA-graph replay would take
+    step_gpu_ms: float
+
+
+@dataclass
+class HfRow:
+    model: str
+    batch: int
+    hf: Timing
+    moegen: Timing
+    logits_rel_diff: float
+    noise_rel_diff: float  # transformers' eager experts against its grouped_mm
+    tokens_agreeing: str
+
+
+def build_model(values: dict):
+    import transformers
+
+    keys = {k: v for k, v in values.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    config = transformers.CONFIG_MAPPING[values["model_type"]](**keys)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None  # random weights: decode every step
+    return model.eval()
+
+
+def build_package(values: dict, name: str, folder: Path):
+    import moegen
+    from moegen.package import build
+    from moegen.spec.from_hf import spec_text
+
+    spec = folder / f"{name}.yaml"
+    spec.write_text(spec_text(values, f"specs/hf/{name}.json", name))
+    # Not compiled at build time: the warm-up compiles the few shapes the benchmark runs.
+    saved = os.environ.get("MOEGEN_PRECOMPILE")
+    os.environ["MOEGEN_PRECOMPILE"] = "0"
+    try:
+        package_folder, _ = build(str(spec), folder)
+    finally:
+        os.environ.pop("MOEGEN_PRECOMPILE") if saved is None else os.environ.update(MOEGEN_PRECOMPILE=saved)
+    return moegen.load(package_folder)
+
+
+def _seconds(fn) -> tuple[float, object]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, result
+
+
+def _kernel_ms(fn) -> float:
+    """The summed duration of the GPU kernels and copies fn launches (one profiled run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def measure(model, prompt) -> tuple[Timing, torch.Tensor, torch.Tensor]:
+    """(timing, prefill logits at the last position, greedy tokens); each shape run once untimed
+    first (allocations, kernel compilation)."""
+    def generate(steps):
+        return model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+
+    def step():  # one decode step after a fresh prefill
+        cache = model(prompt, use_cache=True).past_key_values
+        token = prompt[:, -1:]
+        return lambda: model(token, past_key_values=cache, use_cache=True)
+
+    with torch.no_grad():
+        logits = model(prompt).logits[:, -1].float()
+        generate(NEW_TOKENS + 1)
+        prefill = statistics.median(_seconds(lambda: model(prompt))[0] for _ in range(3))
+        first = statistics.median(_seconds(lambda: generate(1))[0] for _ in range(2))
+        runs = [_seconds(lambda: generate(NEW_TOKENS + 1)) for _ in range(2)]
+        prefill_gpu = _kernel_ms(lambda: model(prompt))
+        step()()  # a decode step outside generate, once untimed
+        step_gpu = _kernel_ms(step())
+    whole = statistics.median(seconds for seconds, _ in runs)
+    timing = Timing(prefill * 1e3, (whole - first) / NEW_TOKENS * 1e3, prefill_gpu, step_gpu)
+    return timing, logits, runs[0][1]
+
+
+def bench_model(name: str, folder: Path) -> list[HfRow]:
+    import moegen
+
+    values = json.loads((REPO_ROOT / "specs" / "hf" / f"{name}.json").read_text())
+    model = build_model(values)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    prompts = {b: torch.randint(0, values["vocab_size"], (b, PROMPT_TOKENS), generator=generator, device="cuda")
+               for b in BATCHES}
+    hf = {b: measure(model, prompts[b]) for b in BATCHES}
+    model.set_experts_implementation("eager")  # the bf16 noise floor: transformers against itself
+    with torch.no_grad():
+        eager = {b: model(prompts[b]).logits[:, -1].float() for b in BATCHES}
+    model.set_experts_implementation("grouped_mm")
+    package = build_package(values, name, folder)
+    moegen.replace_moe_blocks(model, package)
+    rows = []
+    for b in BATCHES:
+        timing, logits, tokens = measure(model, prompts[b])
+        hf_timing, hf_logits, hf_tokens = hf[b]
+        generated = tokens[:, PROMPT_TOKENS:]
+        agree = int((generated == hf_tokens[:, PROMPT_TOKENS:]).all(dim=0).cumprod(0).sum())  # leading steps
+        rows.append(HfRow(name, b, hf_timing, timing, _rel(logits, hf_logits), _rel(eager[b], hf_logits),
+                          f"{agree}/{generated.shape[1]}"))
+    del model, package
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def table(rows: list[HfRow]) -> list[str]:
+    lines = ["| model | batch | prefill ms, eager (transformers / moegen) | kernels only | decode step ms, eager | "
+             "kernels only | logits rel diff (noise) | greedy steps agreeing |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        h, m = r.hf, r.moegen
+        lines.append(f"| {r.model} | {r.batch} | {h.prefill_ms:.1f} / {m.prefill_ms:.1f} | "
+                     f"{h.prefill_gpu_ms:.2f} / {m.prefill_gpu_ms:.2f} ({h.prefill_gpu_ms / m.prefill_gpu_ms:.2f}x) | "
+                     f"{h.step_ms:.2f} / {m.step_ms:.2f} | "
+                     f"{h.step_gpu_ms:.2f} / {m.step_gpu_ms:.2f} ({h.step_gpu_ms / m.step_gpu_ms:.2f}x) | "
+                     f"{r.logits_rel_diff:.1e} ({r.noise_rel_diff:.1e}) | {r.tokens_agreeing} |")
+    return lines
+
+
+def run_all(say, cases=CASES) -> list[str]:
+    """Runs every case, prints the table; returns problems."""
+    import transformers
+
+    rows, problems = [], []
+    with tempfile.TemporaryDirectory(prefix="moegen-hf-") as folder:
+        for name in cases:
+            try:
+                rows.extend(bench_model(name, Path(folder)))
+            except Exception as error:  # noqa: BLE001 - keep going with the other models
+                problems.append(f"hf {name}: {type(error).__name__}: {error}")
+                gc.collect()
+                torch.cuda.empty_cache()
+    for line in table(rows):
+        say(line)
+    say()
+    say(f"- transformers {transformers.__version__}, random bf16 weights; {PROMPT_TOKENS}-token prompts; "
+        f"prefill: one forward of the batch; decode step: greedy `generate` of {NEW_TOKENS + 1} tokens less that "
+        f"of 1, per step; eager: wall clock, medians of 2-3 runs after a warm-up (an eager forward is bound by "
+        f"the host's launches); kernels only: the summed GPU time of one prefill and of one decode step "
+        f"(torch.profiler), what CUDA-graph replays would approach")
+    say("- transformers' experts: its defaults, grouped_mm (torch._grouped_mm) for the prefill and batched_mm "
+        "while generate decodes (the kernels-only decode step, a forward outside generate, runs grouped_mm); "
+        "moegen: the model's MoE blocks replaced by the package of `moegen spec` of the same config "
+        "(everything else the same model)")
+    say("- logits rel diff: last-position prefill logits, moegen against transformers; (noise): transformers' "
+        "eager experts against its grouped_mm, the same comparison between two of its own bf16 paths; greedy "
+        "steps agreeing: leading decode steps where every sequence of the batch picked the same token")
+    return problems
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(1 if run_all(print, sys.argv[1:] or CASES) else 0)
