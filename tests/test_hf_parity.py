@@ -186,3 +186,25 @@ def test_replace_moe_blocks_refuses_a_package_for_another_model(package_factory)
     with pytest.raises(TypeError, match="expected a transformers model, got Linear"):
         moegen.replace_moe_blocks(torch.nn.Linear(2, 2), package)
     assert not any(type(m).__name__ == "MoELayer" for m in model.modules())  # refused before any block moved
+
+
+@pytest.mark.parametrize("family,model_class,config_class,config_fields", [MODELS[0], MODELS[4]],
+                         ids=[MODELS[0][0], MODELS[4][0]])
+def test_torch_compile_traces_the_model_around_moegen_layers(family, model_class, config_class, config_fields,
+                                                             package_factory):
+    """torch.compile(fullgraph=True) of a model on moegen's layers: each MoE call is one opaque
+    operator (moegen::fused_moe), so nothing breaks the graph, and the logits are eager's."""
+    import moegen
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("replace_moe_blocks needs transformers 5")
+    torch._dynamo.reset()
+    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                                                 vocab_size=64, **config_fields)
+    model = getattr(transformers, model_class)(config).eval().to(DEVICE)
+    moegen.replace_moe_blocks(model, package_factory(**(model_fields(config.to_dict()) | {"dtype": "float32"})))
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        eager = model(prompt).logits
+        compiled = torch.compile(model, fullgraph=True)(prompt).logits
+    assert ref.relative_error(compiled.double(), eager.double()) <= ref.TOLERANCE["float32"]

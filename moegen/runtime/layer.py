@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from moegen.runtime import fused
+from moegen.runtime import compile_op, fused
 from moegen.runtime.host_experts import PROJECTION_NAMES
 
 
@@ -58,6 +58,7 @@ class MoELayerBase(torch.nn.Module):
         self.shared_w13 = torch.nn.Parameter(torch.empty(2 * shared, m.hidden_size, **factory)) if shared else None
         self.shared_w2 = torch.nn.Parameter(torch.empty(m.hidden_size, shared, **factory)) if shared else None
         self.requires_grad_(False)
+        self.kernels_key = compile_op.kernel_set_key(self.kernels)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -85,8 +86,11 @@ class MoELayerBase(torch.nn.Module):
                              "convert the layer (.to(dtype), .double(), ...)")
         x = hidden_states.reshape(-1, h)
         router_logits = self.gate(x)
-        out = fused.fused_moe(self.kernels, x, router_logits, self.w13, self.w2,
-                              correction_bias=self.correction_bias)
+        if torch.compiler.is_compiling():  # one opaque operator in the traced graph
+            out = compile_op.fused_moe_op(self.kernels_key, x, router_logits, self.w13, self.w2, self.correction_bias)
+        else:  # eager: no dispatcher on the host's path
+            out = fused.fused_moe(self.kernels, x, router_logits, self.w13, self.w2,
+                                  correction_bias=self.correction_bias)
         if self.shared_w13 is not None:
             out = out + self.shared_output(x)
         return out.view(shape)
