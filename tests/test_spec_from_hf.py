@@ -31,6 +31,15 @@ def test_published_configs_give_the_shipped_models(name):
     assert ModelSpec(**(dict(router_dtype=fields["dtype"]) | fields)) == shipped
 
 
+@pytest.mark.parametrize("name,keys,layers", [
+    ("qwen3-30b-a3b", dict(num_hidden_layers=10, decoder_sparse_step=2, mlp_only_layers=[1, 2, 40]), 4),
+    ("deepseek-v3", dict(num_hidden_layers=10, first_k_dense_replace=3, moe_layer_freq=2), 3),
+    ("deepseek-v3", dict(num_hidden_layers=3, first_k_dense_replace=5), 0),
+])
+def test_moe_layers_are_counted_as_the_model_places_them(name, keys, layers):
+    assert model_fields(PUBLISHED[name] | keys)["num_layers"] == layers
+
+
 def test_cli_writes_a_spec_that_builds_the_same_package_inputs(tmp_path, capsys):
     folder = tmp_path / "DeepSeek-V3"  # a model snapshot: the name comes from its folder
     folder.mkdir()
@@ -62,6 +71,11 @@ BAD_CONFIGS = [
     Bad("fp8_dtype", MIXTRAL | {"torch_dtype": "float8_e4m3fn"}, "torch_dtype: dtype 'float8_e4m3fn' is not supported"),
     Bad("topk_method", PUBLISHED["deepseek-v3"] | {"topk_method": "random"}, "topk_method: 'random' is not supported"),
     Bad("spec_rule", MIXTRAL | {"num_experts_per_tok": 9}, "model.top_k: top_k 9 is larger than num_experts 8"),
+    Bad("huge_layer_count", PUBLISHED["qwen3-30b-a3b"] | {"num_hidden_layers": 10 ** 15}, "model.num_layers"),
+    Bad("zero_sparse_step", PUBLISHED["qwen3-30b-a3b"] | {"decoder_sparse_step": 0},
+        "decoder_sparse_step: 0 is not a positive count"),
+    Bad("nested_dense_layers", PUBLISHED["qwen3-30b-a3b"] | {"mlp_only_layers": [[1]]},
+        "mlp_only_layers: expected a list of layer numbers"),
     Bad("not_json", "{", "not JSON"),
     Bad("not_an_object", "[1, 2]", "not a JSON object"),
 ]

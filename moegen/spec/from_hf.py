@@ -75,11 +75,21 @@ def _olmoe(c: _Config) -> dict:
                 scoring="softmax", renormalize=c.get("norm_topk_prob", bool, False))
 
 
+def _positive(c: _Config, key: str, default: int) -> int:
+    value = c.get(key, int, default)
+    if value < 1:
+        c.fail(key, f"{value} is not a positive count", "pass the model's own config.json")
+    return value
+
+
 def _qwen3_moe(c: _Config) -> dict:
-    # Layer i is sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th.
-    step = c.get("decoder_sparse_step", int, 1)
-    dense = set(c.get("mlp_only_layers", list, []))
-    layers = sum(1 for i in range(c.get("num_hidden_layers", int)) if i not in dense and (i + 1) % max(step, 1) == 0)
+    # Layer i (0-based) is sparse when (i + 1) is a multiple of decoder_sparse_step, unless listed
+    # in mlp_only_layers. Counted, not enumerated: a corrupt layer count must not hang the read.
+    layers, step = _positive(c, "num_hidden_layers", 1), _positive(c, "decoder_sparse_step", 1)
+    dense = c.get("mlp_only_layers", list, [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        c.fail("mlp_only_layers", "expected a list of layer numbers", "pass the model's own config.json")
+    layers = layers // step - len({i for i in dense if 0 <= i < layers and (i + 1) % step == 0})
     return dict(_common(c, "moe_intermediate_size", "num_experts"), num_layers=layers, scoring="softmax",
                 renormalize=c.get("norm_topk_prob", bool, False))
 
@@ -96,8 +106,10 @@ def _deepseek(c: _Config) -> dict:
     if scoring not in ("softmax", "sigmoid"):
         c.fail("scoring_func", f"{scoring!r} is not supported", "moegen scores by softmax or sigmoid")
     grouped = method != "greedy"
-    first_sparse, every = c.get("first_k_dense_replace", int, 0), c.get("moe_layer_freq", int, 1)
-    layers = sum(1 for i in range(first_sparse, c.get("num_hidden_layers", int)) if i % max(every, 1) == 0)
+    # Layer i is sparse from first_k_dense_replace on where i is a multiple of moe_layer_freq.
+    total, every = _positive(c, "num_hidden_layers", 1), _positive(c, "moe_layer_freq", 1)
+    first = max(c.get("first_k_dense_replace", int, 0), 0)
+    layers = max(0, (total - 1) // every - (first - 1) // every)  # multiples of `every` in [first, total)
     shared = c.get("n_shared_experts", int, 0)
     return dict(_common(c, "moe_intermediate_size", "n_routed_experts"), num_layers=layers, scoring=scoring,
                 renormalize=c.get("norm_topk_prob", bool, False),
