@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from moegen import reference as ref
+from moegen.runtime.hf import BLOCK_CLASSES
 from moegen.spec.from_hf import model_fields
 
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (pip install -e '.[test]')")
@@ -208,3 +209,30 @@ def test_torch_compile_traces_the_model_around_moegen_layers(family, model_class
         eager = model(prompt).logits
         compiled = torch.compile(model, fullgraph=True)(prompt).logits
     assert ref.relative_error(compiled.double(), eager.double()) <= ref.TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("family,model_class,config_class,config_fields", MODELS, ids=[m[0] for m in MODELS])
+def test_host_experts_read_a_saved_model(family, model_class, config_class, config_fields, tmp_path):
+    """The offload runtime's pinned experts from a model folder as save_pretrained writes it
+    (config.json and safetensors shards): every MoE layer's experts, dense layers skipped."""
+    from moegen.runtime.host_experts import HostExperts
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("the stacked experts compared with need transformers 5")
+    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=3, num_attention_heads=4,
+                                                 vocab_size=64, **config_fields)
+    model = getattr(transformers, model_class)(config)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")  # several shards
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    blocks = [m for m in model.modules() if type(m).__name__ in BLOCK_CLASSES]
+    host = HostExperts.from_hf_checkpoint(tmp_path)
+    assert host.num_layers == len(blocks) == 3 - config_fields.get("first_k_dense_replace", 0)
+    for layer, block in enumerate(blocks):
+        assert torch.equal(host.w13[layer], block.experts.gate_up_proj.detach())
+        assert torch.equal(host.w2[layer], block.experts.down_proj.detach())
+    assert HostExperts.from_hf_checkpoint(tmp_path, num_layers=1).num_layers == 1
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((tmp_path / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors files beside config.json"):
+        HostExperts.from_hf_checkpoint(config_only)

@@ -57,6 +57,23 @@ class HostExperts:
         return cls(tuple(pinned(w13) for w13, _ in layers), tuple(pinned(w2) for _, w2 in layers))
 
     @classmethod
+    def from_hf_checkpoint(cls, folder: str | Path, num_layers: int | None = None) -> "HostExperts":
+        """The routed experts of a Hugging Face model folder (config.json beside its safetensors
+        shards) for every MoE layer, or the first num_layers of them, read as `moegen spec` reads
+        the config: its sizes and dtype, and which layers are MoE layers."""
+        from moegen.spec.from_hf import CHECKPOINT_KEYS, DEFAULT_CHECKPOINT_KEY, model_fields, moe_layer_ids, read_config
+
+        values, source = read_config(Path(folder))
+        model, layer_ids = model_fields(values, source), moe_layer_ids(values, source)[:num_layers]
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder}: no *.safetensors files beside config.json")
+        key_format, names = CHECKPOINT_KEYS.get(values["model_type"], DEFAULT_CHECKPOINT_KEY)
+        return cls.from_safetensors(files, len(layer_ids), model["num_experts"], model["hidden_size"],
+                                    model["intermediate_size"], getattr(torch, model["dtype"]), key_format, names,
+                                    layer_ids)
+
+    @classmethod
     def from_safetensors(cls, files: Iterable[str | Path], num_layers: int, num_experts: int, hidden: int,
                          inter: int, dtype, key_format: str = MIXTRAL_KEY, names: str = "mixtral",
                          layer_ids: Sequence[int] | None = None) -> "HostExperts":

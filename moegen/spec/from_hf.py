@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from moegen.errors import SpecError
-from moegen.spec.loader import load_spec_text
+from moegen.spec.loader import MAX_LAYERS, load_spec_text
 from moegen.spec.schema import ModelSpec
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
@@ -65,33 +65,51 @@ def _common(c: _Config, inter_key: str, experts_key: str) -> dict:
                 activation=_ACTIVATIONS[act], dtype=dtype)
 
 
-def _mixtral(c: _Config) -> dict:
-    return dict(_common(c, "intermediate_size", "num_local_experts"), num_layers=c.get("num_hidden_layers", int),
-                scoring="softmax", renormalize=True)
-
-
-def _olmoe(c: _Config) -> dict:
-    return dict(_common(c, "intermediate_size", "num_experts"), num_layers=c.get("num_hidden_layers", int),
-                scoring="softmax", renormalize=c.get("norm_topk_prob", bool, False))
-
-
-def _positive(c: _Config, key: str, default: int) -> int:
+def _positive(c: _Config, key: str, default: Any = _MISSING) -> int:
     value = c.get(key, int, default)
     if value < 1:
         c.fail(key, f"{value} is not a positive count", "pass the model's own config.json")
     return value
 
 
-def _qwen3_moe(c: _Config) -> dict:
-    # Layer i (0-based) is sparse when (i + 1) is a multiple of decoder_sparse_step, unless listed
-    # in mlp_only_layers. Counted, not enumerated: a corrupt layer count must not hang the read.
-    layers, step = _positive(c, "num_hidden_layers", 1), _positive(c, "decoder_sparse_step", 1)
-    dense = c.get("mlp_only_layers", list, [])
+def _layers(c: _Config) -> int:
+    total = _positive(c, "num_hidden_layers")
+    if total > MAX_LAYERS:  # before any list of layers is made
+        c.fail("num_hidden_layers", f"{total} layers, over MAX_LAYERS = {MAX_LAYERS}", "pass the model's own config.json")
+    return total
+
+
+def _every_layer(c: _Config) -> list[int]:
+    return list(range(_layers(c)))
+
+
+def _mixtral(c: _Config) -> dict:
+    return dict(_common(c, "intermediate_size", "num_local_experts"), scoring="softmax", renormalize=True)
+
+
+def _olmoe(c: _Config) -> dict:
+    return dict(_common(c, "intermediate_size", "num_experts"), scoring="softmax",
+                renormalize=c.get("norm_topk_prob", bool, False))
+
+
+def _qwen3_moe_layers(c: _Config) -> list[int]:
+    # Layer i (0-based) is sparse where (i + 1) is a multiple of decoder_sparse_step, unless
+    # mlp_only_layers lists it.
+    step, dense = _positive(c, "decoder_sparse_step", 1), c.get("mlp_only_layers", list, [])
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
         c.fail("mlp_only_layers", "expected a list of layer numbers", "pass the model's own config.json")
-    layers = layers // step - len({i for i in dense if 0 <= i < layers and (i + 1) % step == 0})
-    return dict(_common(c, "moe_intermediate_size", "num_experts"), num_layers=layers, scoring="softmax",
+    return [i for i in range(_layers(c)) if (i + 1) % step == 0 and i not in dense]
+
+
+def _qwen3_moe(c: _Config) -> dict:
+    return dict(_common(c, "moe_intermediate_size", "num_experts"), scoring="softmax",
                 renormalize=c.get("norm_topk_prob", bool, False))
+
+
+def _deepseek_layers(c: _Config) -> list[int]:
+    # Layer i is sparse from first_k_dense_replace on where i is a multiple of moe_layer_freq.
+    every, first = _positive(c, "moe_layer_freq", 1), c.get("first_k_dense_replace", int, 0)
+    return [i for i in range(max(first, 0), _layers(c)) if i % every == 0]
 
 
 def _deepseek(c: _Config) -> dict:
@@ -106,12 +124,8 @@ def _deepseek(c: _Config) -> dict:
     if scoring not in ("softmax", "sigmoid"):
         c.fail("scoring_func", f"{scoring!r} is not supported", "moegen scores by softmax or sigmoid")
     grouped = method != "greedy"
-    # Layer i is sparse from first_k_dense_replace on where i is a multiple of moe_layer_freq.
-    total, every = _positive(c, "num_hidden_layers", 1), _positive(c, "moe_layer_freq", 1)
-    first = max(c.get("first_k_dense_replace", int, 0), 0)
-    layers = max(0, (total - 1) // every - (first - 1) // every)  # multiples of `every` in [first, total)
     shared = c.get("n_shared_experts", int, 0)
-    return dict(_common(c, "moe_intermediate_size", "n_routed_experts"), num_layers=layers, scoring=scoring,
+    return dict(_common(c, "moe_intermediate_size", "n_routed_experts"), scoring=scoring,
                 renormalize=c.get("norm_topk_prob", bool, False),
                 n_group=c.get("n_group", int, 1) if grouped else 1,
                 topk_group=c.get("topk_group", int, 1) if grouped else 1,
@@ -121,26 +135,44 @@ def _deepseek(c: _Config) -> dict:
                 router_dtype="float32")  # DeepseekV*TopkRouter: float32 logits
 
 
-FAMILIES: dict[str, Callable[[_Config], dict]] = {
-    "mixtral": _mixtral, "olmoe": _olmoe, "qwen3_moe": _qwen3_moe,
-    "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "kimi_k2": _deepseek,
+# model_type: (the model fields but the layer count, the MoE layers' indices among all layers)
+FAMILIES: dict[str, tuple[Callable[[_Config], dict], Callable[[_Config], list[int]]]] = {
+    "mixtral": (_mixtral, _every_layer), "olmoe": (_olmoe, _every_layer), "qwen3_moe": (_qwen3_moe, _qwen3_moe_layers),
+    "deepseek_v2": (_deepseek, _deepseek_layers), "deepseek_v3": (_deepseek, _deepseek_layers),
+    "kimi_k2": (_deepseek, _deepseek_layers),
 }
+# Where each family's checkpoint files keep a routed expert's projections (names: PROJECTION_NAMES).
+CHECKPOINT_KEYS = {
+    "mixtral": ("model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight", "mixtral"),
+}
+DEFAULT_CHECKPOINT_KEY = ("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", "llama")
 _REFUSED = {
     "qwen2_moe": "its shared expert is scaled by a sigmoid gate of its own (shared_expert_gate), which moegen's "
                  "spec does not model",
 }
 
 
-def model_fields(config: Mapping, source: str = "<config>") -> dict:
-    """ModelSpec fields from a config.json's values."""
-    c = _Config(config, source)
+def _family(c: _Config) -> str:
     family = c.get("model_type", str)
     if family in _REFUSED:
         c.fail("model_type", f"{family!r} is not supported: {_REFUSED[family]}", "write the spec by hand if it fits")
     if family not in FAMILIES:
         c.fail("model_type", f"{family!r} is not a model family moegen reads",
                f"known: {', '.join(FAMILIES)}; or write the spec by hand (docs/spec.md)")
-    return FAMILIES[family](c)
+    return family
+
+
+def model_fields(config: Mapping, source: str = "<config>") -> dict:
+    """ModelSpec fields from a config.json's values."""
+    c = _Config(config, source)
+    fields_of, layers_of = FAMILIES[_family(c)]
+    return dict(fields_of(c), num_layers=len(layers_of(c)))
+
+
+def moe_layer_ids(config: Mapping, source: str = "<config>") -> list[int]:
+    """The MoE layers' indices among the model's layers (DeepSeek's first layers are dense)."""
+    c = _Config(config, source)
+    return FAMILIES[_family(c)][1](c)
 
 
 def read_config(path: Path) -> tuple[dict, str]:
