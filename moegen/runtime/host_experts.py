@@ -17,6 +17,7 @@ import torch
 # Qwen/DeepSeek/OLMoE style (gate_proj, up_proj, down_proj).
 PROJECTION_NAMES = {"mixtral": ("w1", "w3", "w2"), "llama": ("gate_proj", "up_proj", "down_proj")}
 MIXTRAL_KEY = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight"
+LLAMA_KEY = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"  # Qwen3-MoE, OLMoE, DeepSeek
 
 
 def _pinned_empty(shape, dtype) -> torch.Tensor:
@@ -61,14 +62,14 @@ class HostExperts:
         """The routed experts of a Hugging Face model folder (config.json beside its safetensors
         shards) for every MoE layer, or the first num_layers of them, read as `moegen spec` reads
         the config: its sizes and dtype, and which layers are MoE layers."""
-        from moegen.spec.from_hf import CHECKPOINT_KEYS, DEFAULT_CHECKPOINT_KEY, model_fields, moe_layer_ids, read_config
+        from moegen.spec.from_hf import model_fields, moe_layer_ids, read_config
 
         values, source = read_config(Path(folder))
         model, layer_ids = model_fields(values, source), moe_layer_ids(values, source)[:num_layers]
         files = sorted(Path(folder).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{folder}: no *.safetensors files beside config.json")
-        key_format, names = CHECKPOINT_KEYS.get(values["model_type"], DEFAULT_CHECKPOINT_KEY)
+        key_format, names = (MIXTRAL_KEY, "mixtral") if values["model_type"] == "mixtral" else (LLAMA_KEY, "llama")
         return cls.from_safetensors(files, len(layer_ids), model["num_experts"], model["hidden_size"],
                                     model["intermediate_size"], getattr(torch, model["dtype"]), key_format, names,
                                     layer_ids)

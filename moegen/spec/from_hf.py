@@ -141,11 +141,6 @@ FAMILIES: dict[str, tuple[Callable[[_Config], dict], Callable[[_Config], list[in
     "deepseek_v2": (_deepseek, _deepseek_layers), "deepseek_v3": (_deepseek, _deepseek_layers),
     "kimi_k2": (_deepseek, _deepseek_layers),
 }
-# Where each family's checkpoint files keep a routed expert's projections (names: PROJECTION_NAMES).
-CHECKPOINT_KEYS = {
-    "mixtral": ("model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight", "mixtral"),
-}
-DEFAULT_CHECKPOINT_KEY = ("model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", "llama")
 _REFUSED = {
     "qwen2_moe": "its shared expert is scaled by a sigmoid gate of its own (shared_expert_gate), which moegen's "
                  "spec does not model",
