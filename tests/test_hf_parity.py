@@ -69,14 +69,19 @@ def _hf_block(family: Family, generator: torch.Generator) -> tuple[torch.nn.Modu
     except (ImportError, AttributeError):
         pytest.skip(f"transformers {transformers.__version__} has no {family.block}")
     config = config_class(hidden_size=H, hidden_act="silu", **family.config_fields)
-    block = block_class(config).eval()
+    return _randomized(block_class(config).eval(), generator), config.to_dict()
+
+
+def _randomized(module: torch.nn.Module, generator: torch.Generator) -> torch.nn.Module:
+    """Every matrix normal, scaled by its input width (so the experts weigh in a model's output);
+    norms as they are; DeepSeek's correction bias small and positive."""
     with torch.no_grad():
-        for name, tensor in block.state_dict().items():
+        for name, tensor in module.state_dict().items():
             if name.endswith("e_score_correction_bias"):
                 tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.1)
-            else:  # gate [E, H], experts [.., out, in] or stacked [E, out, in]: scaled by the input width
+            elif "norm" not in name:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * tensor.shape[-1] ** -0.5)
-    return block, config.to_dict()
+    return module
 
 
 def _per_expert(state_dict: dict, names: tuple[str, str, str]) -> dict:
@@ -115,7 +120,9 @@ def test_layer_matches_the_transformers_block(family, batch, layout, dtype, pack
     assert ref.relative_error(out.double(), expected.double()) <= ref.TOLERANCE[dtype]
 
 
-MODELS = [  # (family, CausalLM class, config class, the config beside the MoE sizes): two layers, tiny attention
+needs_transformers_5 = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                          reason="whole models on moegen's layers need transformers 5's blocks")
+MODELS = [  # (family, CausalLM class, config class, the config beside the MoE sizes, attention kept tiny)
     ("mixtral", "MixtralForCausalLM", "MixtralConfig",
      dict(intermediate_size=I, num_local_experts=6, num_experts_per_tok=2, num_key_value_heads=2)),
     ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -133,6 +140,21 @@ MODELS = [  # (family, CausalLM class, config class, the config beside the MoE s
 ]
 
 
+LAYERS = 3  # the DeepSeek models' first is dense
+
+
+def _tiny_model(model_class: str, config_class: str, config_fields: dict):
+    """(a float32 causal LM of LAYERS layers with transformers' own initial weights, its config)."""
+    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                                 vocab_size=64, max_position_embeddings=64, **config_fields)
+    return getattr(transformers, model_class)(config).eval(), config
+
+
+def _package_for(config, package_factory, **fields):
+    return package_factory(**(model_fields(config.to_dict()) | {"dtype": "float32", "num_layers": 1} | fields))
+
+
+@needs_transformers_5
 @pytest.mark.parametrize("family,model_class,config_class,config_fields", MODELS, ids=[m[0] for m in MODELS])
 def test_a_model_with_moegen_blocks_gives_the_same_logits(family, model_class, config_class, config_fields,
                                                           package_factory):
@@ -140,25 +162,15 @@ def test_a_model_with_moegen_blocks_gives_the_same_logits(family, model_class, c
     greedy continuation stay the model's own (float32)."""
     import moegen
 
-    if int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("replace_moe_blocks needs transformers 5")
-    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=3, num_attention_heads=4,
-                                                 vocab_size=64, max_position_embeddings=64, **config_fields)
+    model, config = _tiny_model(model_class, config_class, config_fields)
     generator = torch.Generator().manual_seed(zlib.crc32(family.encode()))
-    model = getattr(transformers, model_class)(config).eval()
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name.endswith("e_score_correction_bias"):
-                tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.1)
-            elif "norm" not in name:  # every matrix scaled by its input width: the experts weigh in the output
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * tensor.shape[-1] ** -0.5)
-    model = model.to(DEVICE)
+    model = _randomized(model, generator).to(DEVICE)
     prompt = torch.randint(0, 64, (2, 7), generator=generator).to(DEVICE)
     with torch.no_grad():
         expected = model(prompt).logits
         expected_tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
-    pkg = package_factory(**(model_fields(config.to_dict()) | {"dtype": "float32", "num_layers": 1}))
-    moe_layers = 3 - config_fields.get("first_k_dense_replace", 0)
+    pkg = _package_for(config, package_factory)
+    moe_layers = LAYERS - config_fields.get("first_k_dense_replace", 0)
     assert moegen.replace_moe_blocks(model, pkg) == moe_layers
     assert sum(isinstance(m, pkg.MoELayer) for m in model.modules()) == moe_layers
     with torch.no_grad():
@@ -168,19 +180,15 @@ def test_a_model_with_moegen_blocks_gives_the_same_logits(family, model_class, c
     assert torch.equal(tokens, expected_tokens)
 
 
+@needs_transformers_5
 def test_replace_moe_blocks_refuses_a_package_for_another_model(package_factory):
     import moegen
 
-    if int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("replace_moe_blocks needs transformers 5")
-    family, model_class, config_class, config_fields = MODELS[0]
-    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
-                                                 vocab_size=64, **config_fields)
-    model = getattr(transformers, model_class)(config).to(DEVICE)
-    fields = model_fields(config.to_dict()) | {"num_layers": 1}
+    model, config = _tiny_model(*MODELS[0][1:])
+    model = model.to(DEVICE)
     for package, error, message in (
-            (package_factory(**(fields | {"top_k": 3, "dtype": "float32"})), ValueError, r"top_k 3 \(model: 2\)"),
-            (package_factory(**(fields | {"dtype": "float16"})), ValueError,
+            (_package_for(config, package_factory, top_k=3), ValueError, r"top_k 3 \(model: 2\)"),
+            (_package_for(config, package_factory, dtype="float16"), ValueError,
              r"experts are torch.float32, the package's kernels torch.float16")):
         with pytest.raises(error, match=message):
             moegen.replace_moe_blocks(model, package)
@@ -189,6 +197,7 @@ def test_replace_moe_blocks_refuses_a_package_for_another_model(package_factory)
     assert not any(type(m).__name__ == "MoELayer" for m in model.modules())  # refused before any block moved
 
 
+@needs_transformers_5
 @pytest.mark.parametrize("family,model_class,config_class,config_fields", [MODELS[0], MODELS[4]],
                          ids=[MODELS[0][0], MODELS[4][0]])
 def test_torch_compile_traces_the_model_around_moegen_layers(family, model_class, config_class, config_fields,
@@ -197,13 +206,10 @@ def test_torch_compile_traces_the_model_around_moegen_layers(family, model_class
     operator (moegen::fused_moe), so nothing breaks the graph, and the logits are eager's."""
     import moegen
 
-    if int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("replace_moe_blocks needs transformers 5")
     torch._dynamo.reset()
-    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
-                                                 vocab_size=64, **config_fields)
-    model = getattr(transformers, model_class)(config).eval().to(DEVICE)
-    moegen.replace_moe_blocks(model, package_factory(**(model_fields(config.to_dict()) | {"dtype": "float32"})))
+    model, config = _tiny_model(model_class, config_class, config_fields)
+    model = model.to(DEVICE)
+    moegen.replace_moe_blocks(model, _package_for(config, package_factory))
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.no_grad():
         eager = model(prompt).logits
@@ -211,22 +217,19 @@ def test_torch_compile_traces_the_model_around_moegen_layers(family, model_class
     assert ref.relative_error(compiled.double(), eager.double()) <= ref.TOLERANCE["float32"]
 
 
+@needs_transformers_5
 @pytest.mark.parametrize("family,model_class,config_class,config_fields", MODELS, ids=[m[0] for m in MODELS])
 def test_host_experts_read_a_saved_model(family, model_class, config_class, config_fields, tmp_path):
     """The offload runtime's pinned experts from a model folder as save_pretrained writes it
     (config.json and safetensors shards): every MoE layer's experts, dense layers skipped."""
     from moegen.runtime.host_experts import HostExperts
 
-    if int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("the stacked experts compared with need transformers 5")
-    config = getattr(transformers, config_class)(hidden_size=H, num_hidden_layers=3, num_attention_heads=4,
-                                                 vocab_size=64, **config_fields)
-    model = getattr(transformers, model_class)(config)
+    model, _ = _tiny_model(model_class, config_class, config_fields)
     model.save_pretrained(tmp_path, max_shard_size="40KB")  # several shards
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     blocks = [m for m in model.modules() if type(m).__name__ in BLOCK_CLASSES]
     host = HostExperts.from_hf_checkpoint(tmp_path)
-    assert host.num_layers == len(blocks) == 3 - config_fields.get("first_k_dense_replace", 0)
+    assert host.num_layers == len(blocks) == LAYERS - config_fields.get("first_k_dense_replace", 0)
     for layer, block in enumerate(blocks):
         assert torch.equal(host.w13[layer], block.experts.gate_up_proj.detach())
         assert torch.equal(host.w2[layer], block.experts.down_proj.detach())
