@@ -87,7 +87,7 @@ def _cmd_spec(args) -> int:
     values, source = read_config(Path(args.config))
     buckets = _buckets(args.buckets)
     text = spec_text(values, source, args.name or default_name(values, source), args.gpu,
-                     tuple(buckets) if buckets else None)
+                     tuple(buckets) if buckets else None, args.dtype)
     if args.output is None:
         sys.stdout.write(text)
         return 0
@@ -137,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--name", help="the spec's name (default: from the model's folder)")
     s.add_argument("--gpu", default="h200", help="target.gpu (default: h200)")
     s.add_argument("--buckets", help="comma-separated token buckets (default: moegen's)")
+    s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="the dtype the model runs in (default: the config's torch_dtype)")
     s.add_argument("-o", "--output", help="write this new file instead of printing the spec")
     s.set_defaults(run=_cmd_spec)
 

@@ -48,8 +48,9 @@ def test_cli_writes_a_spec_that_builds_the_same_package_inputs(tmp_path, capsys)
     spec = load_spec(tmp_path / "spec.yaml")
     assert spec.name == "deepseek-v3" and spec.workload.token_buckets == (1, 8, 64)
     assert spec.model == load_spec(SPECS / "deepseek-v3.yaml").model
-    assert main(["spec", str(folder / "config.json"), "--name", "dsv3"]) == 0  # to stdout
-    assert "name: dsv3\n" in capsys.readouterr().out
+    assert main(["spec", str(folder / "config.json"), "--name", "dsv3", "--dtype", "float16"]) == 0  # to stdout
+    out = capsys.readouterr().out
+    assert "name: dsv3\n" in out and "  dtype: float16\n  router_dtype: float32\n" in out
 
 
 @dataclass(frozen=True)
