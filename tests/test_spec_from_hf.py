@@ -53,6 +53,15 @@ def test_cli_writes_a_spec_that_builds_the_same_package_inputs(tmp_path, capsys)
     assert "name: dsv3\n" in out and "  dtype: float16\n  router_dtype: float32\n" in out
 
 
+def test_a_quantized_checkpoint_is_named_in_the_spec_and_on_stderr(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PUBLISHED["deepseek-v3"] | {"quantization_config": {"quant_method": "fp8"}}))
+    assert main(["spec", str(config), "--name", "dsv3"]) == 0
+    captured = capsys.readouterr()
+    note = 'the checkpoint is quantized ("fp8"): moegen\'s experts run bfloat16, so dequantize the weights'
+    assert f"# Note: {note}" in captured.out and note in captured.err
+
+
 @dataclass(frozen=True)
 class Bad:
     name: str
