@@ -10,6 +10,7 @@ from pathlib import Path
 
 from moegen import knobs
 from moegen.errors import MoegenError, UsageError
+from moegen.spec.schema import DTYPES
 from moegen.offload.simulate_cli import add_simulate_parser
 from moegen.tune.cache_cli import add_cache_parser
 
@@ -137,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--name", help="the spec's name (default: from the model's folder)")
     s.add_argument("--gpu", default="h200", help="target.gpu (default: h200)")
     s.add_argument("--buckets", help="comma-separated token buckets (default: moegen's)")
-    s.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+    s.add_argument("--dtype", choices=DTYPES,
                    help="the dtype the model runs in (default: the config's torch_dtype)")
     s.add_argument("-o", "--output", help="write this new file instead of printing the spec")
     s.set_defaults(run=_cmd_spec)

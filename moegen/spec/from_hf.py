@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from moegen.errors import SpecError
-from moegen.spec.loader import MAX_LAYERS, load_spec_text
-from moegen.spec.schema import ModelSpec
+from moegen.spec.loader import MAX_LAYERS, MAX_NAME_LEN, load_spec_text
+from moegen.spec.schema import DTYPES, ModelSpec
 
 MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few KB
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}  # HF's "gelu" is the exact (erf) GELU
-_DTYPES = ("bfloat16", "float16", "float32")
 _MISSING = object()
 
 
@@ -58,7 +57,7 @@ def _common(c: _Config, inter_key: str, experts_key: str) -> dict:
         c.fail("hidden_act", f"activation {act!r} is not supported", f"moegen's experts run {', '.join(_ACTIVATIONS)}")
     dtype_key = "torch_dtype" if c.values.get("torch_dtype") is not None else "dtype"  # transformers 5: dtype
     dtype = c.get(dtype_key, str, "bfloat16")
-    if dtype not in _DTYPES:
+    if dtype not in DTYPES:
         c.fail(dtype_key, f"dtype {dtype!r} is not supported",
                "moegen builds bfloat16, float16 or float32 kernels; edit model.dtype in the spec")
     return dict(hidden_size=c.get("hidden_size", int), intermediate_size=c.get(inter_key, int),
@@ -231,4 +230,4 @@ def default_name(config: Mapping, file: str) -> str:
     candidate = re.sub(r"[^a-z0-9_.\-]+", "-", folder.lower()).strip("-.")
     if not candidate or not candidate[0].isalpha():
         candidate = str(config.get("model_type", "model")).replace("_", "-")
-    return candidate[:64]
+    return candidate[:MAX_NAME_LEN]
