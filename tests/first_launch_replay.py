@@ -39,16 +39,20 @@ class _Hopper:
 
 def use_stand_in_hopper() -> None:
     """Make this process compile for sm_90 on the CPU: Triton's driver, what the build asks torch
-    before compiling for the GPU, and the runtime's programmatic-dependent-launch check."""
+    before compiling for the GPU, the runtime's programmatic-dependent-launch check and its
+    launch path."""
     import torch
     from triton.runtime import driver
 
-    from moegen.runtime import fused
+    from moegen.runtime import fused, launch
 
     driver.set_active(_Hopper())
     torch.cuda.is_available = lambda: True
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     fused.pdl_supported = lambda device: True
+    # Every launch through Triton's own path, which the stand-in serves up to loading a binary
+    # (moegen's direct launches only reuse what that path compiled or loaded).
+    launch._launch_hooks_set = lambda: True
 
 
 def main(spec: str, tokens: list[int]) -> dict:

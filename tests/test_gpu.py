@@ -453,6 +453,53 @@ def test_moe_layer_deepseek_with_shared_expert(packages):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("case", [Case(spec, t) for spec in ("qwen3-30b-a3b", "deepseek-v3") for t in (1, 64, 300)],
+                         ids=str)
+def test_compiled_kernels_launch_without_triton_run(case, streams, models, monkeypatch):
+    """Once a call has compiled its kernels, every launch of the next call goes straight to the
+    compiled kernel's launcher (moegen.runtime.launch), on the right streams; with a launch hook
+    set (a profiler's), launches go through Triton's own path and reach the hook. Both right."""
+    from dataclasses import replace
+
+    import triton
+
+    from moegen.runtime import launch
+    from moegen.runtime.fused import fused_moe
+
+    model = models[case.spec]
+    ks = model.pkg.KERNELS
+    config = replace(ks.config_for(case.tokens), streams=streams)
+    x, logits, bias, _ = case_inputs(case, model)
+    expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
+
+    def call():
+        return fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
+
+    call()
+    through_triton = []
+    triton_launch = launch._triton_launch
+    monkeypatch.setattr(launch, "_triton_launch", lambda kernel, *rest: (through_triton.append(kernel),
+                                                                         triton_launch(kernel, *rest)))
+    poison_allocator()
+    out = call()
+    torch.cuda.synchronize()
+    assert through_triton == []
+    check_close(out, expected, f"{case} streams={streams}")
+
+    hooked = []
+    hook = hooked.append
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        poison_allocator()
+        out = call()
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert through_triton and len(hooked) == len(through_triton)
+    check_close(out, expected, f"{case} streams={streams}, launch hook set")
+
+
 @pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("spec", SPECS)
 def test_cuda_graph_decode_step(spec, tokens, models):

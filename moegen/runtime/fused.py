@@ -12,6 +12,7 @@ import torch
 
 from moegen import knobs
 from moegen.runtime.align import Alignment, align_tokens, aligned_rows, expected_blocks, max_padded_slots
+from moegen.runtime.launch import launch
 from moegen.runtime.routing import RoutingParams
 
 # MOEGEN_ROUTE_ALIGN_MAX_TOKENS, where set, decides which batches the single-program kernel routes
@@ -280,9 +281,11 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     inter = torch.empty((aligned.sorted_slots.numel(), ks.intermediate_size), dtype=ks.dtype,
                         device=hidden_states.device)
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
+    weight_args = _weight_args(cfg, w13, w2, inter)
+    run = functools.partial(_gemms, ks, cfg, hidden_states, weights, aligned, weight_args, inter, out)
     num_blocks = aligned.max_padded // cfg.block_m
     if cfg.streams == 1:
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, num_blocks)
+        run(0, num_blocks)
         return out
     # Halves of the blocks the routing is expected to fill (a guess only balances the halves: the
     # second half's blocks past the padded total exit at once), split at a multiple of 4 blocks
@@ -291,24 +294,46 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     half = expected_blocks(weights.numel(), ks.num_experts, cfg.block_m) // 2
     split = min(num_blocks, max(4, half // 4 * 4))
     if not hidden_states.is_cuda:  # the interpreter: one half after the other
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split)
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks)
+        run(0, split)
+        run(split, num_blocks)
         return out
     device = hidden_states.device
-    main, side, zeroed = torch.cuda.current_stream(device), side_stream(device), torch.cuda.Event()
-    side.wait_stream(main)
-    _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, 0, split, zeroed)
-    with torch.cuda.stream(side):
-        _gemms(ks, cfg, hidden_states, weights, aligned, w13, w2, inter, out, split, num_blocks, wait_for=zeroed)
-    main.wait_stream(side)
+    main, side, events = torch.cuda.current_stream(device), side_stream(device), _stream_events(device)
+    events.fork.record(main)
+    side.wait_event(events.fork)
+    run(0, split, main, zeroed=events.zeroed)
+    run(split, num_blocks, side, wait_for=events.zeroed)
+    events.join.record(side)
+    main.wait_event(events.join)
     return out
 
 
-def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2, inter, out,
-           first: int, end: int, zeroed=None, wait_for=None):
-    """GEMM1 then GEMM2 over row blocks first .. end-1, which the kernels see as blocks 0 ..
-    end-first-1 through shifted views. A range from block 0 zeroes the output in GEMM1 (and
-    records ``zeroed`` after it); another does not, and its GEMM2 waits for ``wait_for``."""
+@dataclass(frozen=True)
+class _WeightArgs:
+    """The weights as the GEMMs take them: tensors, or tensor descriptors (made once per call
+    and shared by both halves of a two-stream call)."""
+
+    w13: object
+    w2: object
+    w13_strides: tuple[int, int]
+    w2_strides: tuple[int, int]
+    tma: bool
+
+
+def _weight_args(cfg: KernelConfig, w13, w2, inter) -> _WeightArgs:
+    if cfg.tma and tma_compatible(w13, w2, inter):  # inter's halves start at whole rows: aligned as it is
+        return _WeightArgs(_descriptor(w13, [1, cfg.block_n, cfg.block_k]),
+                           _descriptor(w2, [1, cfg.down_block_n, cfg.down_block_k]), w13.stride()[:2],
+                           w2.stride()[:2], True)
+    return _WeightArgs(w13, w2, w13.stride()[:2], w2.stride()[:2], False)
+
+
+def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, wargs: _WeightArgs,
+           inter, out, first: int, end: int, stream=None, zeroed=None, wait_for=None):
+    """GEMM1 then GEMM2 over row blocks first .. end-1 on `stream` (None: the current one),
+    which the kernels see as blocks 0 .. end-first-1 through shifted views. A range from block 0
+    zeroes the output in GEMM1 (and records ``zeroed`` after it); another does not, and its
+    GEMM2 waits for ``wait_for``."""
     if end == first:
         return
     num_tokens, h, i, bm = hidden_states.shape[0], ks.hidden_size, ks.intermediate_size, cfg.block_m
@@ -318,36 +343,28 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     # range not from block 0 passes the base its shifted view needs, and its first row, which
     # the kernels add to their blocks' rows before comparing them with the padded total.
     max_padded = aligned.max_padded + first * (aligned.tail_m - bm)
-    use_tma = cfg.tma and tma_compatible(w13, w2, inter)
     dependent = dependent_launch(pdl_supported(hidden_states.device))
-    if use_tma:
-        w13_arg = _descriptor(w13, [1, cfg.block_n, cfg.block_k])
-        w2_arg = _descriptor(w2, [1, cfg.down_block_n, cfg.down_block_k])
-        inter_arg = _descriptor(inter, [bm, cfg.down_block_k])
-    else:
-        w13_arg, w2_arg, inter_arg = w13, w2, inter
-    ks.gate_up[((end - first) * _cdiv(i, cfg.block_n),)](
-        hidden_states, w13_arg, inter, out,
-        sorted_slots, block_runs, aligned.num_padded,
-        num_tokens * ks.top_k, max_padded, 0 if first else num_tokens, first * bm,
-        hidden_states.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent,
-    )
+    inter_arg = _descriptor(inter, [bm, cfg.down_block_k]) if wargs.tma else inter
+    launch(ks.gate_up, ((end - first) * _cdiv(i, cfg.block_n),), stream,
+           hidden_states, wargs.w13, inter, out,
+           sorted_slots, block_runs, aligned.num_padded,
+           num_tokens * ks.top_k, max_padded, 0 if first else num_tokens, first * bm,
+           hidden_states.stride(0), *wargs.w13_strides, inter.stride(0),
+           BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+           TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=wargs.tma,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
     if zeroed is not None:
-        zeroed.record()
+        zeroed.record(stream)
     if wait_for is not None:
-        torch.cuda.current_stream().wait_event(wait_for)
-    ks.down_reduce[((end - first) * _cdiv(h, cfg.down_block_n), cfg.split_k)](
-        inter_arg, inter, w2_arg, out, weights,
-        sorted_slots, block_runs, aligned.num_padded,
-        num_tokens * ks.top_k, max_padded, first * bm,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
-        USE_TMA=use_tma, **dependent, **down_launch(cfg),
-    )
+        stream.wait_event(wait_for)
+    launch(ks.down_reduce, ((end - first) * _cdiv(h, cfg.down_block_n), cfg.split_k), stream,
+           inter_arg, inter, wargs.w2, out, weights,
+           sorted_slots, block_runs, aligned.num_padded,
+           num_tokens * ks.top_k, max_padded, first * bm,
+           inter.stride(0), *wargs.w2_strides, out.stride(0),
+           BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
+           SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
+           USE_TMA=wargs.tma, **dependent, **down_launch(cfg))
 
 
 _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -360,6 +377,28 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     if stream is None:
         stream = _side_streams[device] = torch.cuda.Stream(device)
     return stream
+
+
+@dataclass(frozen=True)
+class _StreamEvents:
+    """A two-stream call's events, kept per device (creating them costs host time every call):
+    the side stream waits for the caller's (fork), the second half's GEMM2 for the first half's
+    GEMM1 (zeroed), the caller's stream for the side stream (join). Reused by every call, as the
+    side stream is: moegen issues its MoE calls from one host thread per device."""
+
+    fork: "torch.cuda.Event"
+    zeroed: "torch.cuda.Event"
+    join: "torch.cuda.Event"
+
+
+_events: dict[torch.device, _StreamEvents] = {}
+
+
+def _stream_events(device: torch.device) -> _StreamEvents:
+    events = _events.get(device)
+    if events is None:
+        events = _events[device] = _StreamEvents(torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
+    return events
 
 
 def down_launch(cfg: KernelConfig) -> dict:
@@ -415,12 +454,11 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
     dependent = dependent_launch(pdl_supported(device))
     if num_tokens <= single_route_max_tokens(ks.num_experts):
         sorted_slots = torch.empty(rows, dtype=torch.int32, device=device)
-        ks.route_align[(1,)](
-            logits, bias, weights, ids, sorted_slots, block_runs, num_padded,
-            num_tokens, logits.stride(0), max_padded,
-            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent,
-            **single_route_launch(ks, num_tokens),
-        )
+        launch(ks.route_align, (1,), None,
+               logits, bias, weights, ids, sorted_slots, block_runs, num_padded,
+               num_tokens, logits.stride(0), max_padded,
+               BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent,
+               **single_route_launch(ks, num_tokens))
     else:
         count_launch, place_launch = multi_route_launch(ks)
         # Counters and rows in one buffer, filled by one launch (see the kernels' docstring).
@@ -429,12 +467,12 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
         counts_and_slots = torch.full((rows_at + rows,), num_slots, dtype=torch.int32, device=device)
         counts, sorted_slots = counts_and_slots[:ks.num_experts], counts_and_slots[rows_at:]
         ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
-        ks.route_count[(_cdiv(num_tokens, count_launch["BLOCK_T"]),)](
-            logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **dependent,
-            **count_launch)
-        ks.route_place[(_cdiv(num_slots, place_launch["BLOCK_S"]),)](
-            ids, ranks, counts, sorted_slots, block_runs, num_padded, num_slots, max_padded,
-            BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent, **place_launch)
+        launch(ks.route_count, (_cdiv(num_tokens, count_launch["BLOCK_T"]),), None,
+               logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **dependent,
+               **count_launch)
+        launch(ks.route_place, (_cdiv(num_slots, place_launch["BLOCK_S"]),), None,
+               ids, ranks, counts, sorted_slots, block_runs, num_padded, num_slots, max_padded,
+               BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent, **place_launch)
     return weights, Alignment(sorted_slots, block_runs, num_padded, max_padded, tail_m)
 
 
@@ -484,15 +522,14 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
     else:
         w13_arg, w2_arg = w13, w2
     pdl = pdl_supported(device)
-    ks.decode[(min(num_tokens * ks.top_k, ks.num_experts), _cdiv(i, cfg.decode_block_n))](
-        logits, bias, x, w13_arg, w2_arg, work,
-        num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-        BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-        BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, USE_PDL=pdl,
-        num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
-    )
-    ks.decode_finish[(_cdiv(out.numel(), DECODE_FINISH_BLOCK),)](
-        work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))
+    launch(ks.decode, (min(num_tokens * ks.top_k, ks.num_experts), _cdiv(i, cfg.decode_block_n)), None,
+           logits, bias, x, w13_arg, w2_arg, work,
+           num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+           BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+           BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, USE_PDL=pdl,
+           num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
+    launch(ks.decode_finish, (_cdiv(out.numel(), DECODE_FINISH_BLOCK),), None,
+           work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))
     return out
 
 
