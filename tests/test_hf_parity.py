@@ -10,8 +10,11 @@ logits rounded to float16 would pick other experts near ties."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,6 +181,40 @@ def test_a_model_with_moegen_blocks_gives_the_same_logits(family, model_class, c
         tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
     assert ref.relative_error(logits.double(), expected.double()) <= ref.TOLERANCE["float32"]
     assert torch.equal(tokens, expected_tokens)
+
+
+@needs_transformers_5
+@pytest.mark.parametrize("family,model_class,config_class,config_fields", [MODELS[0], MODELS[4]],
+                         ids=[MODELS[0][0], MODELS[4][0]])
+def test_benchmark_swaps_in_layers_that_share_the_blocks_experts(family, model_class, config_class, config_fields,
+                                                                 package_factory, monkeypatch):
+    """tools/hf_bench.py times transformers' blocks and moegen's in turns in one model: its
+    layers hold the blocks' own expert tensors (nothing copied) and give the model's logits;
+    swapped back, the model is transformers' own again."""
+    spec = importlib.util.spec_from_file_location("hf_bench", Path(__file__).parent.parent / "tools" / "hf_bench.py")
+    hf_bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hf_bench", hf_bench)  # for its dataclasses
+    spec.loader.exec_module(hf_bench)
+    model, config = _tiny_model(model_class, config_class, config_fields)
+    model = _randomized(model, torch.Generator().manual_seed(zlib.crc32(family.encode()))).to(DEVICE)
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    blocks = [m for m in model.modules() if type(m).__name__ in BLOCK_CLASSES]
+    pkg = _package_for(config, package_factory)
+    with torch.no_grad():
+        expected = model(prompt).logits
+        use_moegen = hf_bench.shared_blocks(model, pkg)
+        use_moegen(True)
+        layers = [m for m in model.modules() if isinstance(m, pkg.MoELayer)]
+        logits = model(prompt).logits
+        use_moegen(False)
+        again = model(prompt).logits
+    assert len(layers) == len(blocks) == LAYERS - config_fields.get("first_k_dense_replace", 0)
+    for layer, block in zip(layers, blocks):
+        assert layer.w13.data_ptr() == block.experts.gate_up_proj.data_ptr()
+        assert layer.w2.data_ptr() == block.experts.down_proj.data_ptr()
+    assert ref.relative_error(logits.double(), expected.double()) <= ref.TOLERANCE["float32"]
+    assert not any(isinstance(m, pkg.MoELayer) for m in model.modules())
+    assert torch.equal(again, expected)
 
 
 @needs_transformers_5

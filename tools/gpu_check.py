@@ -33,8 +33,8 @@
 5. The expert-offload benchmark (tools/offload_bench.py): Mixtral- and DeepSeek-V2-Lite-sized
    stacks decoding with routing replayed from ../shared/traces at 25/50/75% residency.
 6. Hugging Face models (tools/hf_bench.py): each shipped model's architecture in transformers
-   (random bf16 weights), prefill and greedy decoding with transformers' own experts and then
-   with moegen's blocks in their place (moegen.replace_moe_blocks).
+   (random bf16 weights), prefill and greedy decoding with transformers' own experts and with
+   moegen's blocks in their place, timed in turns (moegen's layers share the blocks' experts).
 
 Prints a markdown report; with $OUT set, also writes it to $OUT/gpu_check.md.
 """

@@ -1,15 +1,16 @@
 """Hugging Face models on moegen's blocks, run by tools/gpu_check.py (section "Hugging Face models").
 
 Each shipped model's architecture (specs/hf/NAME.json) is built by transformers with random
-bf16 weights on the GPU. A batch of prompts is run once with transformers' own experts
-(`grouped_mm` for the prefill, `batched_mm` while `generate` decodes: its defaults), then again
-after `moegen.replace_moe_blocks` with the package that `moegen spec` of the same config builds.
-Both eager (no CUDA graphs, no torch.compile), so the difference is the MoE blocks alone.
+bf16 weights on the GPU, and the package that `moegen spec` of the same config builds is put
+beside its MoE blocks (`shared_blocks`: moegen's layers hold the blocks' own expert tensors).
+A batch of prompts is run with transformers' own experts (`grouped_mm` for the prefill,
+`batched_mm` while `generate` decodes: its defaults) and with moegen's blocks swapped in, both
+eager (no CUDA graphs, no torch.compile), so the difference is the MoE blocks alone.
 Reported: the prefill's and a greedy decode step's wall time (an eager forward is bound by the
-host's kernel launches) and their kernels' summed GPU time (torch.profiler; transformers' decode
-step outside `generate` runs its default `grouped_mm`), the relative difference of the prefill
-logits beside transformers' own between its eager and grouped_mm experts, and how many greedy
-steps agree.
+host's kernel launches; timed in turns), their kernels' summed GPU time (torch.profiler;
+transformers' decode step outside `generate` runs its default `grouped_mm`), the relative
+difference of the prefill logits beside transformers' own between its eager and grouped_mm
+experts, and how many greedy steps agree.
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CASES = ("olmoe-1b-7b", "qwen3-30b-a3b", "deepseek-v2-lite", "mixtral-8x7b")
 BATCHES = (1, 16)
 PROMPT_TOKENS = 128
-NEW_TOKENS = 32
+NEW_TOKENS = 32  # greedy steps compared between the two
+EAGER_STEPS = 8  # decode steps per eager timing
+EAGER_ROUNDS = 3  # eager timings of the two in turns, medians reported
 
 
 @dataclass(frozen=True)
@@ -97,55 +100,100 @@ def _kernel_ms(fn) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
-def measure(model, prompt) -> tuple[Timing, torch.Tensor, torch.Tensor]:
-    """(timing, prefill logits at the last position, greedy tokens); each shape run once untimed
-    first (allocations, kernel compilation)."""
-    def generate(steps):
-        return model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+def shared_blocks(model, package):
+    """Put the package's MoELayers in the model beside transformers' MoE blocks and return
+    use(moegen: bool), which swaps one kind in for the other. Each layer's experts are its
+    block's own tensors (transformers 5 stacks them as moegen does), so both fit at once, even
+    Mixtral's, and the eager timings can alternate between them in one process: the host's
+    speed, which bounds an eager forward, drifts by tens of percent over minutes."""
+    from moegen.runtime.hf import BLOCK_CLASSES
 
+    swaps = []
+    for name in [n for n, module in model.named_modules() if type(module).__name__ in BLOCK_CLASSES]:
+        parent, _, child = name.rpartition(".")
+        block = model.get_submodule(name)
+        device = block.experts.gate_up_proj.device
+        layer = package.MoELayer(device="meta")
+        layer.w13 = torch.nn.Parameter(block.experts.gate_up_proj.detach(), requires_grad=False)
+        layer.w2 = torch.nn.Parameter(block.experts.down_proj.detach(), requires_grad=False)
+        for module in layer.modules():  # the router, bias and shared experts: small, copied
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                if param.is_meta:
+                    setattr(module, param_name, torch.nn.Parameter(torch.empty_like(param, device=device),
+                                                                   requires_grad=False))
+        layer.load_hf_state_dict(block.state_dict())  # checked; the experts copy onto themselves
+        swaps.append((model.get_submodule(parent) if parent else model, child, block, layer))
+
+    def use(moegen: bool) -> None:
+        for parent, child, block, layer in swaps:
+            setattr(parent, child, layer if moegen else block)
+
+    return use
+
+
+def _generate(model, prompt, steps: int):
+    return model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+
+
+def outputs(model, prompt) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """(prefill logits at the last position, greedy tokens, the prefill's and a decode step's
+    kernel time in ms); warms up every shape the eager timings run."""
     def step():  # one decode step after a fresh prefill
         cache = model(prompt, use_cache=True).past_key_values
         token = prompt[:, -1:]
         return lambda: model(token, past_key_values=cache, use_cache=True)
 
-    with torch.no_grad():
-        logits = model(prompt).logits[:, -1].float()
-        generate(NEW_TOKENS + 1)
-        prefill = statistics.median(_seconds(lambda: model(prompt))[0] for _ in range(3))
-        first = statistics.median(_seconds(lambda: generate(1))[0] for _ in range(2))
-        runs = [_seconds(lambda: generate(NEW_TOKENS + 1)) for _ in range(2)]
-        prefill_gpu = _kernel_ms(lambda: model(prompt))
-        step()()  # a decode step outside generate, once untimed
-        step_gpu = _kernel_ms(step())
-    whole = statistics.median(seconds for seconds, _ in runs)
-    timing = Timing(prefill * 1e3, (whole - first) / NEW_TOKENS * 1e3, prefill_gpu, step_gpu)
-    return timing, logits, runs[0][1]
+    logits = model(prompt).logits[:, -1].float()
+    tokens = _generate(model, prompt, NEW_TOKENS + 1)
+    _generate(model, prompt, 1)
+    _generate(model, prompt, EAGER_STEPS + 1)
+    prefill_gpu = _kernel_ms(lambda: model(prompt))
+    step()()  # a decode step outside generate, once untimed
+    return logits, tokens, prefill_gpu, _kernel_ms(step())
+
+
+def eager_ms(model, prompt) -> tuple[float, float]:
+    """(prefill, decode step) wall clock in ms: the median of three prefills, and greedy
+    generation of EAGER_STEPS + 1 tokens less that of 1, per step."""
+    prefill = statistics.median(_seconds(lambda: model(prompt))[0] for _ in range(3))
+    first = _seconds(lambda: _generate(model, prompt, 1))[0]
+    whole = _seconds(lambda: _generate(model, prompt, EAGER_STEPS + 1))[0]
+    return prefill * 1e3, (whole - first) / EAGER_STEPS * 1e3
 
 
 def bench_model(name: str, folder: Path) -> list[HfRow]:
-    import moegen
-
     values = json.loads((REPO_ROOT / "specs" / "hf" / f"{name}.json").read_text())
     model = build_model(values)
     generator = torch.Generator(device="cuda").manual_seed(0)
     prompts = {b: torch.randint(0, values["vocab_size"], (b, PROMPT_TOKENS), generator=generator, device="cuda")
                for b in BATCHES}
-    hf = {b: measure(model, prompts[b]) for b in BATCHES}
-    model.set_experts_implementation("eager")  # the bf16 noise floor: transformers against itself
+    use_moegen = shared_blocks(model, build_package(values, name, folder))
     with torch.no_grad():
+        model.set_experts_implementation("eager")  # the bf16 noise floor: transformers against itself
         eager = {b: model(prompts[b]).logits[:, -1].float() for b in BATCHES}
-    model.set_experts_implementation("grouped_mm")
-    package = build_package(values, name, folder)
-    moegen.replace_moe_blocks(model, package)
+        model.set_experts_implementation("grouped_mm")
+        results, samples = {}, {}
+        for moegen in (False, True):
+            use_moegen(moegen)
+            results.update({(moegen, b): outputs(model, prompts[b]) for b in BATCHES})
+        for _ in range(EAGER_ROUNDS):  # in turns
+            for moegen in (False, True):
+                use_moegen(moegen)
+                for b in BATCHES:
+                    samples.setdefault((moegen, b), []).append(eager_ms(model, prompts[b]))
     rows = []
     for b in BATCHES:
-        timing, logits, tokens = measure(model, prompts[b])
-        hf_timing, hf_logits, hf_tokens = hf[b]
+        timing = {}
+        for moegen in (False, True):
+            prefill, step = (statistics.median(column) for column in zip(*samples[moegen, b]))
+            timing[moegen] = Timing(prefill, step, *results[moegen, b][2:])
+        hf_logits, hf_tokens = results[False, b][:2]
+        logits, tokens = results[True, b][:2]
         generated = tokens[:, PROMPT_TOKENS:]
         agree = int((generated == hf_tokens[:, PROMPT_TOKENS:]).all(dim=0).cumprod(0).sum())  # leading steps
-        rows.append(HfRow(name, b, hf_timing, timing, _rel(logits, hf_logits), _rel(eager[b], hf_logits),
+        rows.append(HfRow(name, b, timing[False], timing[True], _rel(logits, hf_logits), _rel(eager[b], hf_logits),
                           f"{agree}/{generated.shape[1]}"))
-    del model, package
+    del model, use_moegen
     gc.collect()
     torch.cuda.empty_cache()
     return rows
@@ -186,17 +234,19 @@ def run_all(say, cases=CASES) -> list[str]:
         say(line)
     say()
     say(f"- transformers {transformers.__version__}, random bf16 weights; {PROMPT_TOKENS}-token prompts; "
-        f"prefill: one forward of the batch; decode step: greedy `generate` of {NEW_TOKENS + 1} tokens less that "
-        f"of 1, per step; eager: wall clock, medians of 2-3 runs after a warm-up (an eager forward is bound by "
-        f"the host's launches); kernels only: the summed GPU time of one prefill and of one decode step "
-        f"(torch.profiler), what CUDA-graph replays would approach")
+        f"prefill: one forward of the batch; decode step: greedy `generate` of {EAGER_STEPS + 1} tokens less that "
+        f"of 1, per step; eager: wall clock after a warm-up (an eager forward is bound by the host's launches), "
+        f"the median of {EAGER_ROUNDS} rounds that time transformers' and moegen's blocks in turns in one model "
+        f"(moegen's layers hold the blocks' own expert tensors); kernels only: the summed GPU time of one prefill "
+        f"and of one decode step (torch.profiler), what CUDA-graph replays would approach")
     say("- transformers' experts: its defaults, grouped_mm (torch._grouped_mm) for the prefill and batched_mm "
         "while generate decodes (the kernels-only decode step, a forward outside generate, runs grouped_mm); "
-        "moegen: the model's MoE blocks replaced by the package of `moegen spec` of the same config "
+        "moegen: the model's MoE blocks swapped for the package of `moegen spec` of the same config "
         "(everything else the same model)")
     say("- logits rel diff: last-position prefill logits, moegen against transformers; (noise): transformers' "
         "eager experts against its grouped_mm, the same comparison between two of its own bf16 paths; greedy "
-        "steps agreeing: leading decode steps where every sequence of the batch picked the same token")
+        f"steps agreeing: leading steps of {NEW_TOKENS + 1}-token generations where every sequence of the batch "
+        "picked the same token")
     return problems
 
 
