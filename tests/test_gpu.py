@@ -467,6 +467,8 @@ def test_compiled_kernels_launch_without_triton_run(case, streams, models, monke
     from moegen.runtime import launch
     from moegen.runtime.fused import fused_moe
 
+    if not launch.DIRECT:
+        pytest.skip(f"direct launches are written for Triton 3.6; this is {triton.__version__}")
     model = models[case.spec]
     ks = model.pkg.KERNELS
     config = replace(ks.config_for(case.tokens), streams=streams)

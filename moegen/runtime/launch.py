@@ -11,23 +11,31 @@ would) and calls the compiled kernel's launcher on the stream given, without the
 - launch hooks and pre-run hooks: where any is set, the launch goes through Triton instead;
 - a kernel not compiled yet (first call of a specialization) goes through Triton, which
   compiles it, loads it and launches it.
-Triton 3.6's internals (JITFunction.device_caches, compute_cache_key, CompiledKernel.run); the
-interpreter and any other kernel object take Triton's own path.
+Triton 3.6's internals (JITFunction.device_caches, compute_cache_key, CompiledKernel.run); with
+another Triton, in the interpreter and for any other kernel object, Triton's own path.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from triton import knobs as triton_knobs
-from triton.knobs import HookChain
+import triton
 from triton.runtime import driver
-from triton.runtime.jit import JITFunction, compute_cache_key
+from triton.runtime.jit import JITFunction
+
+try:  # the internals this was written against and checked on (moegen allows older Tritons)
+    from triton import knobs as triton_knobs
+    from triton.knobs import HookChain
+    from triton.runtime.jit import compute_cache_key
+
+    DIRECT = triton.__version__.split(".")[:2] == ["3", "6"]
+except ImportError:
+    DIRECT = False
 
 
 def launch(kernel, grid: tuple, stream: Optional["torch.cuda.Stream"], *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) on `stream` (None: the current stream)."""
-    if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks or _launch_hooks_set():
+    if not DIRECT or not isinstance(kernel, JITFunction) or kernel.pre_run_hooks or _launch_hooks_set():
         _triton_launch(kernel, grid, stream, args, kwargs)
         return
     device = driver.active.get_current_device()
