@@ -513,6 +513,33 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_en
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
 
 
+@pytest.mark.parametrize("spec", ["tiny", "grouped_bf16"])
+def test_direct_launches_pass_what_triton_passes(spec, tmp_path, sm90_compile_env):
+    """moegen.runtime.launch skips JITFunction.run once a kernel is compiled: the same calls run
+    twice against a stand-in sm_90 driver whose launcher records its arguments
+    (tests/direct_launch_replay.py). The first round's first launches go through Triton, the
+    second round's launches all go straight to the launcher, with the same arguments (kernel,
+    grid, stream, packed metadata; every tensor's dtype, shape, strides and alignment, every
+    descriptor's, every scalar), on the shapes of the replay test above."""
+    spec_file = TINY
+    if spec == "grouped_bf16":
+        spec_file = tmp_path / "grouped_bf16.yaml"
+        spec_file.write_text(GROUPED_BF16)
+    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16)
+    env = dict(sm90_compile_env, MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "direct_launch_replay.py"), str(spec_file),
+                             "64,8,1,4,16"], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    first, second = json.loads(result.stdout.strip().splitlines()[-1])["rounds"]
+    assert first["through_triton"] and second["through_triton"] == []
+    assert len(second["launches"]) == len(first["launches"]) >= 5 * 2
+    for direct, through_triton in zip(second["launches"], first["launches"]):
+        assert direct == through_triton
+    if spec == "grouped_bf16":  # descriptors were passed, not only tensors
+        assert any(arg[0] == "descriptor" for launch in second["launches"] for arg in launch
+                   if isinstance(arg, list) and arg)
+
+
 _TWO_PRECOMPILED_BUILDS = """
 import json, sys, tempfile
 from pathlib import Path
