@@ -486,6 +486,22 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
                                   stream_tokens: {"config": streams, "time_us": 1.0}}, {})
 
 
+def _replay_launches(script: str, spec: str, tmp_path: Path, sm90_compile_env: dict) -> dict:
+    """The JSON a replay script of tests/ prints for the runtime's launches of 64, 8, 1, 4 and 16
+    tokens against the stand-in sm_90 driver: spec "tiny" (odd fp32 sizes) or "grouped_bf16",
+    each with its 64-token bucket tuned to tail rows and it and the 16-token one on two streams."""
+    spec_file = TINY
+    if spec == "grouped_bf16":
+        spec_file = tmp_path / "grouped_bf16.yaml"
+        spec_file.write_text(GROUPED_BF16)
+    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16)
+    env = dict(sm90_compile_env, MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / script), str(spec_file), "64,8,1,4,16"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("spec", ["tiny", "grouped_bf16"])
 def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_env):
     """The runtime's first launches, in an order unlike the build's (routing pair first), find
@@ -494,16 +510,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_en
     ptxas of its wheel and looks kernels up exactly as on the GPU. Two shapes: odd fp32 sizes,
     and bf16 with grouped, biased routing (tensor descriptors throughout); the 64-token bucket of
     each tuned to tail rows, it and the 16-token one on two streams (shifted views of the layout)."""
-    spec_file = TINY
-    if spec == "grouped_bf16":
-        spec_file = tmp_path / "grouped_bf16.yaml"
-        spec_file.write_text(GROUPED_BF16)
-    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16)
-    env = dict(sm90_compile_env, MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "first_launch_replay.py"), str(spec_file),
-                             "64,8,1,4,16"], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    replay = json.loads(result.stdout.strip().splitlines()[-1])
+    replay = _replay_launches("first_launch_replay.py", spec, tmp_path, sm90_compile_env)
     kernels = {launch["kernel"].split("_silu_")[0] + ("_" + launch["kernel"].rsplit("_", 1)[1]
                                                        if launch["kernel"].endswith(("_count", "_place", "_finish")) else "")
                for launch in replay["launches"]}
@@ -521,16 +528,7 @@ def test_direct_launches_pass_what_triton_passes(spec, tmp_path, sm90_compile_en
     second round's launches all go straight to the launcher, with the same arguments (kernel,
     grid, stream, packed metadata; every tensor's dtype, shape, strides and alignment, every
     descriptor's, every scalar), on the shapes of the replay test above."""
-    spec_file = TINY
-    if spec == "grouped_bf16":
-        spec_file = tmp_path / "grouped_bf16.yaml"
-        spec_file.write_text(GROUPED_BF16)
-    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16)
-    env = dict(sm90_compile_env, MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "direct_launch_replay.py"), str(spec_file),
-                             "64,8,1,4,16"], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    first, second = json.loads(result.stdout.strip().splitlines()[-1])["rounds"]
+    first, second = _replay_launches("direct_launch_replay.py", spec, tmp_path, sm90_compile_env)["rounds"]
     assert first["through_triton"] and second["through_triton"] == []
     assert len(second["launches"]) == len(first["launches"]) >= 5 * 2
     for direct, through_triton in zip(second["launches"], first["launches"]):

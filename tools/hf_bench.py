@@ -106,12 +106,11 @@ def shared_blocks(model, package):
     block's own tensors (transformers 5 stacks them as moegen does), so both fit at once, even
     Mixtral's, and the eager timings can alternate between them in one process: the host's
     speed, which bounds an eager forward, drifts by tens of percent over minutes."""
-    from moegen.runtime.hf import BLOCK_CLASSES
+    from moegen.runtime.hf import moe_block_slots
 
     swaps = []
-    for name in [n for n, module in model.named_modules() if type(module).__name__ in BLOCK_CLASSES]:
-        parent, _, child = name.rpartition(".")
-        block = model.get_submodule(name)
+    for parent, child in moe_block_slots(model):
+        block = getattr(parent, child)
         device = block.experts.gate_up_proj.device
         layer = package.MoELayer(device="meta")
         layer.w13 = torch.nn.Parameter(block.experts.gate_up_proj.detach(), requires_grad=False)
@@ -122,7 +121,7 @@ def shared_blocks(model, package):
                     setattr(module, param_name, torch.nn.Parameter(torch.empty_like(param, device=device),
                                                                    requires_grad=False))
         layer.load_hf_state_dict(block.state_dict())  # checked; the experts copy onto themselves
-        swaps.append((model.get_submodule(parent) if parent else model, child, block, layer))
+        swaps.append((parent, child, block, layer))
 
     def use(moegen: bool) -> None:
         for parent, child, block, layer in swaps:

@@ -37,17 +37,28 @@ def replace_moe_blocks(model: torch.nn.Module, package) -> int:
     if differences:
         raise ValueError(f"package {package.SPEC.name} was built for another model: {'; '.join(differences)}; "
                          "build a spec from the model's config.json (moegen spec)")
-    names = [name for name, module in model.named_modules() if type(module).__name__ in BLOCK_CLASSES]
-    if not names:
+    slots = moe_block_slots(model)
+    if not slots:
         raise ValueError(f"{type(model).__name__} has no MoE block moegen knows ({', '.join(BLOCK_CLASSES)})")
-    dtypes = {model.get_submodule(name).experts.gate_up_proj.dtype for name in names}
+    dtypes = {getattr(parent, child).experts.gate_up_proj.dtype for parent, child in slots}
     if dtypes != {package.KERNELS.dtype}:
         raise ValueError(f"the model's experts are {', '.join(map(str, dtypes))}, the package's kernels "
                          f"{package.KERNELS.dtype}; build for the model's dtype or convert the model")
-    for name in names:  # no reference kept: each block is freed once its layer replaces it
-        parent, _, child = name.rpartition(".")
-        block = model.get_submodule(name)
+    for parent, child in slots:
+        block = getattr(parent, child)
         layer = package.MoELayer(device="meta").to_empty(device=block.experts.gate_up_proj.device)
         layer.load_hf_state_dict(block.state_dict())
-        setattr(model.get_submodule(parent), child, layer)
-    return len(names)
+        setattr(parent, child, layer)
+    return len(slots)
+
+
+def moe_block_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(parent module, attribute name) of every MoE block moegen knows in `model`, in module
+    order: where a layer takes a block's place. No reference to the blocks themselves is kept,
+    so that each is freed once its layer replaces it."""
+    slots = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in BLOCK_CLASSES:
+            parent, _, child = name.rpartition(".")
+            slots.append((model.get_submodule(parent), child))
+    return slots
