@@ -370,6 +370,44 @@ def test_two_stream_halves_match_float64_reference(case, models):
     check_close(replayed, expected, f"{case} two streams, graph replay")
 
 
+@pytest.mark.parametrize("case", [Case(spec, t) for spec in ("qwen3-30b-a3b", "mixtral-8x7b") for t in (9, 16, 17)],
+                         ids=str)
+def test_eager_decode_batches_run_two_stream_configs_on_one_stream(case, models, monkeypatch):
+    """An eager call of at most EAGER_ONE_STREAM_MAX_TOKENS tokens runs a two-stream config on
+    the caller's stream alone (the host paces eager decode); a larger one, and any call captured
+    in a CUDA graph, forks the second stream. Right every way."""
+    from dataclasses import replace
+
+    from moegen.runtime import fused
+
+    model = models[case.spec]
+    ks = model.pkg.KERNELS
+    config = replace(ks.config_for(case.tokens), streams=2, decode_block_n=0)
+    x, logits, bias, _ = case_inputs(case, model)
+    expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
+    streams = []
+    real_launch = fused.launch
+    monkeypatch.setattr(fused, "launch", lambda kernel, grid, stream, *args, **kwargs: (
+        streams.append(stream), real_launch(kernel, grid, stream, *args, **kwargs)))
+
+    def call():
+        return fused.fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
+
+    poison_allocator()
+    out = call()
+    torch.cuda.synchronize()
+    check_close(out, expected, f"{case} eager")
+    side = fused.side_stream(x.device)
+    assert (side in streams) == (case.tokens > fused.EAGER_ONE_STREAM_MAX_TOKENS)
+    streams.clear()
+    graph, replayed = capture_graph(call)
+    assert side in streams  # the capture's launches (after the warm-up's)
+    poison_allocator()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_close(replayed, expected, f"{case} graph replay")
+
+
 def test_correction_bias_is_required(models):
     model = models["deepseek-v3"]
     x = fresh_hidden(3, model.m.hidden_size, 1)

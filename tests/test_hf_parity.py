@@ -190,7 +190,7 @@ def test_benchmark_swaps_in_layers_that_share_the_blocks_experts(family, model_c
                                                                  package_factory, monkeypatch):
     """tools/hf_bench.py times transformers' blocks and moegen's in turns in one model: its
     layers hold the blocks' own expert tensors (nothing copied) and give the model's logits;
-    swapped back, the model is transformers' own again."""
+    swapped back, the model is transformers' own again. Its clock times every call of both kinds."""
     spec = importlib.util.spec_from_file_location("hf_bench", Path(__file__).parent.parent / "tools" / "hf_bench.py")
     hf_bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "hf_bench", hf_bench)  # for its dataclasses
@@ -202,7 +202,8 @@ def test_benchmark_swaps_in_layers_that_share_the_blocks_experts(family, model_c
     pkg = _package_for(config, package_factory)
     with torch.no_grad():
         expected = model(prompt).logits
-        use_moegen = hf_bench.shared_blocks(model, pkg)
+        clock = hf_bench.BlockClock()
+        use_moegen = hf_bench.shared_blocks(model, pkg, clock)
         use_moegen(True)
         layers = [m for m in model.modules() if isinstance(m, pkg.MoELayer)]
         logits = model(prompt).logits
@@ -215,6 +216,7 @@ def test_benchmark_swaps_in_layers_that_share_the_blocks_experts(family, model_c
     assert ref.relative_error(logits.double(), expected.double()) <= ref.TOLERANCE["float32"]
     assert not any(isinstance(m, pkg.MoELayer) for m in model.modules())
     assert torch.equal(again, expected)
+    assert len(clock.seconds) == 2 * len(blocks) and all(t > 0 for t in clock.seconds)
 
 
 @needs_transformers_5

@@ -7,7 +7,8 @@ A batch of prompts is run with transformers' own experts (`grouped_mm` for the p
 `batched_mm` while `generate` decodes: its defaults) and with moegen's blocks swapped in, both
 eager (no CUDA graphs, no torch.compile), so the difference is the MoE blocks alone.
 Reported: the prefill's and a greedy decode step's wall time (an eager forward is bound by the
-host's kernel launches; timed in turns), their kernels' summed GPU time (torch.profiler;
+host's kernel launches; timed in turns), the host time of one MoE block call inside them (the
+part of the host's time the swap changes), their kernels' summed GPU time (torch.profiler;
 transformers' decode step outside `generate` runs its default `grouped_mm`), the relative
 difference of the prefill logits beside transformers' own between its eager and grouped_mm
 experts, and how many greedy steps agree.
@@ -31,13 +32,15 @@ BATCHES = (1, 16)
 PROMPT_TOKENS = 128
 NEW_TOKENS = 32  # greedy steps compared between the two
 EAGER_STEPS = 8  # decode steps per eager timing
-EAGER_ROUNDS = 3  # eager timings of the two in turns, medians reported
+EAGER_ROUNDS = 5  # eager timings of the two in turns, medians reported (the host drifts between rounds)
 
 
 @dataclass(frozen=True)
 class Timing:
     prefill_ms: float  # wall clock, eager
     step_ms: float  # wall clock per greedy decode step, eager
+    prefill_block_us: float  # host time of one MoE block call inside the eager prefill (BlockClock)
+    step_block_us: float  # the same inside a decode step
     prefill_gpu_ms: float  # the prefill's kernels alone (profiler): what a CUDA-graph replay would take
     step_gpu_ms: float
 
@@ -100,12 +103,34 @@ def _kernel_ms(fn) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
-def shared_blocks(model, package):
+class BlockClock:
+    """The host time of every MoE block call inside the model, transformers' blocks and moegen's
+    layers alike (forward pre- and post-hooks, no synchronization): the part of an eager
+    forward's host time that swapping the blocks changes. The wall clock of a whole forward
+    drifts with the host by tens of percent between rounds; this does not depend on the rest."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def attach(self, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._exit)
+
+    def _enter(self, module, args) -> None:
+        self._start = time.perf_counter()
+
+    def _exit(self, module, args, output) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def shared_blocks(model, package, clock: BlockClock | None = None):
     """Put the package's MoELayers in the model beside transformers' MoE blocks and return
     use(moegen: bool), which swaps one kind in for the other. Each layer's experts are its
     block's own tensors (transformers 5 stacks them as moegen does), so both fit at once, even
     Mixtral's, and the eager timings can alternate between them in one process: the host's
-    speed, which bounds an eager forward, drifts by tens of percent over minutes."""
+    speed, which bounds an eager forward, drifts by tens of percent over minutes. `clock`, if
+    given, times every call of both kinds."""
     from moegen.runtime.hf import moe_block_slots
 
     swaps = []
@@ -122,6 +147,9 @@ def shared_blocks(model, package):
                                                                    requires_grad=False))
         layer.load_hf_state_dict(block.state_dict())  # checked; the experts copy onto themselves
         swaps.append((parent, child, block, layer))
+        if clock is not None:
+            clock.attach(block)
+            clock.attach(layer)
 
     def use(moegen: bool) -> None:
         for parent, child, block, layer in swaps:
@@ -151,13 +179,19 @@ def outputs(model, prompt) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     return logits, tokens, prefill_gpu, _kernel_ms(step())
 
 
-def eager_ms(model, prompt) -> tuple[float, float]:
+def eager_ms(model, prompt, clock: BlockClock) -> tuple[float, float, float, float]:
     """(prefill, decode step) wall clock in ms: the median of three prefills, and greedy
-    generation of EAGER_STEPS + 1 tokens less that of 1, per step."""
+    generation of EAGER_STEPS + 1 tokens less that of 1, per step; then the median host time
+    in us of one MoE block call in those prefills and in the decode steps."""
+    clock.seconds.clear()
     prefill = statistics.median(_seconds(lambda: model(prompt))[0] for _ in range(3))
+    prefill_calls = list(clock.seconds)
     first = _seconds(lambda: _generate(model, prompt, 1))[0]
+    clock.seconds.clear()
     whole = _seconds(lambda: _generate(model, prompt, EAGER_STEPS + 1))[0]
-    return prefill * 1e3, (whole - first) / EAGER_STEPS * 1e3
+    step_calls = clock.seconds[len(clock.seconds) // (EAGER_STEPS + 1):]  # every forward calls each block once
+    return (prefill * 1e3, (whole - first) / EAGER_STEPS * 1e3,
+            statistics.median(prefill_calls) * 1e6, statistics.median(step_calls) * 1e6)
 
 
 def bench_model(name: str, folder: Path) -> list[HfRow]:
@@ -166,7 +200,8 @@ def bench_model(name: str, folder: Path) -> list[HfRow]:
     generator = torch.Generator(device="cuda").manual_seed(0)
     prompts = {b: torch.randint(0, values["vocab_size"], (b, PROMPT_TOKENS), generator=generator, device="cuda")
                for b in BATCHES}
-    use_moegen = shared_blocks(model, build_package(values, name, folder))
+    clock = BlockClock()
+    use_moegen = shared_blocks(model, build_package(values, name, folder), clock)
     with torch.no_grad():
         model.set_experts_implementation("eager")  # the bf16 noise floor: transformers against itself
         eager = {b: model(prompts[b]).logits[:, -1].float() for b in BATCHES}
@@ -179,13 +214,13 @@ def bench_model(name: str, folder: Path) -> list[HfRow]:
             for moegen in (False, True):
                 use_moegen(moegen)
                 for b in BATCHES:
-                    samples.setdefault((moegen, b), []).append(eager_ms(model, prompts[b]))
+                    samples.setdefault((moegen, b), []).append(eager_ms(model, prompts[b], clock))
     rows = []
     for b in BATCHES:
         timing = {}
         for moegen in (False, True):
-            prefill, step = (statistics.median(column) for column in zip(*samples[moegen, b]))
-            timing[moegen] = Timing(prefill, step, *results[moegen, b][2:])
+            prefill, step, prefill_block, step_block = (statistics.median(c) for c in zip(*samples[moegen, b]))
+            timing[moegen] = Timing(prefill, step, prefill_block, step_block, *results[moegen, b][2:])
         hf_logits, hf_tokens = results[False, b][:2]
         logits, tokens = results[True, b][:2]
         generated = tokens[:, PROMPT_TOKENS:]
@@ -203,14 +238,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def table(rows: list[HfRow]) -> list[str]:
-    lines = ["| model | batch | prefill ms, eager (transformers / moegen) | kernels only | decode step ms, eager | "
-             "kernels only | logits rel diff (noise) | greedy steps agreeing |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | batch | prefill ms, eager (transformers / moegen) | MoE block host us | kernels only | "
+             "decode step ms, eager | MoE block host us | kernels only | logits rel diff (noise) | "
+             "greedy steps agreeing |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         h, m = r.hf, r.moegen
         lines.append(f"| {r.model} | {r.batch} | {h.prefill_ms:.1f} / {m.prefill_ms:.1f} | "
+                     f"{h.prefill_block_us:.0f} / {m.prefill_block_us:.0f} | "
                      f"{h.prefill_gpu_ms:.2f} / {m.prefill_gpu_ms:.2f} ({h.prefill_gpu_ms / m.prefill_gpu_ms:.2f}x) | "
-                     f"{h.step_ms:.2f} / {m.step_ms:.2f} | "
+                     f"{h.step_ms:.2f} / {m.step_ms:.2f} | {h.step_block_us:.0f} / {m.step_block_us:.0f} | "
                      f"{h.step_gpu_ms:.2f} / {m.step_gpu_ms:.2f} ({h.step_gpu_ms / m.step_gpu_ms:.2f}x) | "
                      f"{r.logits_rel_diff:.1e} ({r.noise_rel_diff:.1e}) | {r.tokens_agreeing} |")
     return lines
@@ -236,8 +273,10 @@ def run_all(say, cases=CASES) -> list[str]:
         f"prefill: one forward of the batch; decode step: greedy `generate` of {EAGER_STEPS + 1} tokens less that "
         f"of 1, per step; eager: wall clock after a warm-up (an eager forward is bound by the host's launches), "
         f"the median of {EAGER_ROUNDS} rounds that time transformers' and moegen's blocks in turns in one model "
-        f"(moegen's layers hold the blocks' own expert tensors); kernels only: the summed GPU time of one prefill "
-        f"and of one decode step (torch.profiler), what CUDA-graph replays would approach")
+        f"(moegen's layers hold the blocks' own expert tensors); MoE block host us: the median host time of one "
+        f"MoE block's call inside those eager forwards (forward hooks, no synchronization; medians of the rounds), "
+        f"the part of the host's time that swapping the blocks changes; kernels only: the summed GPU time of one "
+        f"prefill and of one decode step (torch.profiler), what CUDA-graph replays would approach")
     say("- transformers' experts: its defaults, grouped_mm (torch._grouped_mm) for the prefill and batched_mm "
         "while generate decodes (the kernels-only decode step, a forward outside generate, runs grouped_mm); "
         "moegen: the model's MoE blocks swapped for the package of `moegen spec` of the same config "
