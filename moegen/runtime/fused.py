@@ -36,7 +36,7 @@ DECODE_FINISH_BLOCK = 1024
 # config on the caller's stream alone. At decode batches the host paces an eager model, and the
 # second stream costs the host more than it saves the GPU: measured on the H200 at 16 tokens
 # (Qwen3, OLMoE and DeepSeek-V2-Lite decoding in transformers), one stream took 125-160 us
-# (27-30%) off the MoE block's host time and 8-13% off the decode step's wall time, where two
+# (25-30%) off the MoE block's host time and 8-13% off the decode step's wall time, where two
 # streams save the GPU 2-4% (5-7 us) of the call. Captured calls keep the tuned streams: a graph
 # replay costs the host nothing per kernel.
 EAGER_ONE_STREAM_MAX_TOKENS = 16
