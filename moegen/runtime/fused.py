@@ -30,16 +30,10 @@ _SINGLE_ROUTE_MAX_SCORES = 1024
 _ROUTE_TILE = 4096
 # The decode kernel's MMA tile has 16 rows: batches up to this size can take it.
 DECODE_MAX_TOKENS = 16
+# Eager calls of at most this many tokens run a two-stream config on one stream (_run_experts).
+EAGER_ONE_STREAM_MAX_TOKENS = 16
 # Elements one program of the decode finish (cast and re-zero the workspace) handles.
 DECODE_FINISH_BLOCK = 1024
-# An eager call (no CUDA graph being captured) of at most this many tokens runs a two-stream
-# config on the caller's stream alone. At decode batches the host paces an eager model, and the
-# second stream costs the host more than it saves the GPU: measured on the H200 at 16 tokens
-# (Qwen3, OLMoE and DeepSeek-V2-Lite decoding in transformers), one stream took 125-160 us
-# (25-30%) off the MoE block's host time and 8-13% off the decode step's wall time, where two
-# streams save the GPU 2-4% (5-7 us) of the call. Captured calls keep the tuned streams: a graph
-# replay costs the host nothing per kernel.
-EAGER_ONE_STREAM_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -293,33 +287,53 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     weight_args = _weight_args(cfg, w13, w2, inter)
     run = functools.partial(_gemms, ks, cfg, hidden_states, weights, aligned, weight_args, inter, out)
     num_blocks = aligned.max_padded // cfg.block_m
-    if cfg.streams == 1 or _one_stream_eager(hidden_states):
+    if cfg.streams == 1:
         run(0, num_blocks)
         return out
-    # Halves of the blocks the routing is expected to fill (a guess only balances the halves: the
-    # second half's blocks past the padded total exit at once), split at a multiple of 4 blocks
-    # so that the shifted block experts stay 16-byte aligned, as the kernels were compiled. The
-    # second half's GEMM2 waits for the first half's GEMM1, which zeroes the output.
-    half = expected_blocks(weights.numel(), ks.num_experts, cfg.block_m) // 2
-    split = min(num_blocks, max(4, half // 4 * 4))
     if not hidden_states.is_cuda:  # the interpreter: one half after the other
+        split = _halves_split(ks, cfg, weights, num_blocks)
         run(0, split)
         run(split, num_blocks)
         return out
+    # An eager call runs on the caller's stream alone unless the GPU is more than a call behind
+    # the host: it has yet to finish the last-but-one eager call that asked. Only then are the
+    # second stream's two launches and three events, ~100-150 us of a MoE call's 250-650 us of
+    # host time (measured on the H200), hidden, so that its GPU saving (1-4% of the call) shows;
+    # otherwise the host paces the caller (a transformers model, at prefill and decode alike, in
+    # the same measurements). Decode batches take one stream without asking: there the second
+    # stream saves the GPU at most 5-7 us, and asking costs the host ~8. Calls captured in a
+    # CUDA graph, whose replays cost the host nothing, keep the tuned streams.
+    eager = not torch.cuda.is_current_stream_capturing()
+    if eager and hidden_states.shape[0] <= EAGER_ONE_STREAM_MAX_TOKENS:
+        run(0, num_blocks)
+        return out
     device = hidden_states.device
-    main, side, events = torch.cuda.current_stream(device), side_stream(device), _stream_events(device)
-    events.fork.record(main)
-    side.wait_event(events.fork)
-    run(0, split, main, zeroed=events.zeroed)
-    run(split, num_blocks, side, wait_for=events.zeroed)
-    events.join.record(side)
-    main.wait_event(events.join)
+    main, events = torch.cuda.current_stream(device), _stream_events(device)
+    if eager and events.call_ends[0].query():
+        run(0, num_blocks)
+    else:
+        side, split = side_stream(device), _halves_split(ks, cfg, weights, num_blocks)
+        events.fork.record(main)
+        side.wait_event(events.fork)
+        run(0, split, main, zeroed=events.zeroed)
+        run(split, num_blocks, side, wait_for=events.zeroed)
+        events.join.record(side)
+        main.wait_event(events.join)
+    if eager:
+        ends = events.call_ends
+        ends[0].record(main)
+        ends[0], ends[1] = ends[1], ends[0]  # the last call's end is asked about after the next
     return out
 
 
-def _one_stream_eager(hidden_states) -> bool:
-    return (hidden_states.is_cuda and hidden_states.shape[0] <= EAGER_ONE_STREAM_MAX_TOKENS
-            and not torch.cuda.is_current_stream_capturing())
+def _halves_split(ks: KernelSet, cfg: KernelConfig, weights, num_blocks: int) -> int:
+    """Where a two-stream call's row blocks split: halves of the blocks the routing is expected
+    to fill (a guess only balances the halves: the second half's blocks past the padded total
+    exit at once), at a multiple of 4 blocks so that the shifted block experts stay 16-byte
+    aligned, as the kernels were compiled. The second half's GEMM2 waits for the first half's
+    GEMM1, which zeroes the output."""
+    half = expected_blocks(weights.numel(), ks.num_experts, cfg.block_m) // 2
+    return min(num_blocks, max(4, half // 4 * 4))
 
 
 @dataclass(frozen=True)
@@ -398,12 +412,15 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 class _StreamEvents:
     """A two-stream call's events, kept per device (creating them costs host time every call):
     the side stream waits for the caller's (fork), the second half's GEMM2 for the first half's
-    GEMM1 (zeroed), the caller's stream for the side stream (join). Reused by every call, as the
-    side stream is: moegen issues its MoE calls from one host thread per device."""
+    GEMM1 (zeroed), the caller's stream for the side stream (join); and the ends of the last
+    two eager calls that asked whether the GPU is behind, the older first (call_ends). Reused
+    by every call, as the side stream is: moegen issues its MoE calls from one host thread per
+    device."""
 
     fork: "torch.cuda.Event"
     zeroed: "torch.cuda.Event"
     join: "torch.cuda.Event"
+    call_ends: list
 
 
 _events: dict[torch.device, _StreamEvents] = {}
@@ -412,7 +429,8 @@ _events: dict[torch.device, _StreamEvents] = {}
 def _stream_events(device: torch.device) -> _StreamEvents:
     events = _events.get(device)
     if events is None:
-        events = _events[device] = _StreamEvents(torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
+        events = _events[device] = _StreamEvents(torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event(),
+                                                [torch.cuda.Event(), torch.cuda.Event()])
     return events
 
 
