@@ -93,13 +93,20 @@ def main(spec: str, tokens: list[int]) -> dict:
     w13 = torch.randn(m.num_experts, 2 * m.intermediate_size, m.hidden_size).to(dtype)
     w2 = torch.randn(m.num_experts, m.hidden_size, m.intermediate_size).to(dtype)
     bias = torch.rand(m.num_experts) if m.correction_bias else None
+    # Eager decode batches whose bucket runs the three-kernel path decode while the host paces
+    # the caller (fused_moe): every call replayed as host-paced and as not.
+    fused._eager = lambda hidden_states: True
+    fused._record_call_end = lambda device: None
     for current in tokens:
         x = torch.randn(current, m.hidden_size).to(dtype)
         logits = separated_router_logits(current, ks.routing, bias)
-        pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+        for paced in (True, False):
+            fused._host_paced = lambda device, paced=paced: paced
+            pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
     return {"shipped": len(list((folder / precompile.CACHE_FOLDER).iterdir())), "launches": launches,
             "tail_row_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.tail_m],
-            "two_stream_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.streams == 2]}
+            "two_stream_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.streams == 2],
+            "eager_decode_bucket": ks.eager_decode_bucket and ks.buckets[ks.eager_decode_bucket]}
 
 
 if __name__ == "__main__":

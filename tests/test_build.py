@@ -467,10 +467,11 @@ GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").repl
     "dtype: float32", "dtype: bfloat16")
 
 
-def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, stream_tokens: int) -> None:
+def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, stream_tokens: int,
+                           undecoded_tokens: int) -> None:
     """A tuning database whose entry for `tail_tokens` has tail rows (no cost-model default has
-    them) and GEMM2's register cap, on two streams, and whose entry for `stream_tokens` runs two
-    streams."""
+    them) and GEMM2's register cap, on two streams, whose entry for `stream_tokens` runs two
+    streams, and whose entry for `undecoded_tokens` does not decode."""
     from dataclasses import replace
 
     from moegen.plan.configs import default_config
@@ -481,20 +482,23 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
     tails = replace(default_config(ir.signature, ir.target, tail_tokens), block_m=32, tail_m=16, decode_block_n=0,
                     down_max_registers=128, streams=2, group_m=1)
     streams = replace(default_config(ir.signature, ir.target, stream_tokens), decode_block_n=0, streams=2)
+    undecoded = replace(default_config(ir.signature, ir.target, undecoded_tokens), decode_block_n=0)
     metadata = db.current_metadata(ir.target.name, ir.signature, KERNEL_TEMPLATES)
     db.save(directory, metadata, {tail_tokens: {"config": tails, "time_us": 1.0},
-                                  stream_tokens: {"config": streams, "time_us": 1.0}}, {})
+                                  stream_tokens: {"config": streams, "time_us": 1.0},
+                                  undecoded_tokens: {"config": undecoded, "time_us": 1.0}}, {})
 
 
 def _replay_launches(script: str, spec: str, tmp_path: Path, sm90_compile_env: dict) -> dict:
     """The JSON a replay script of tests/ prints for the runtime's launches of 64, 8, 1, 4 and 16
     tokens against the stand-in sm_90 driver: spec "tiny" (odd fp32 sizes) or "grouped_bf16",
-    each with its 64-token bucket tuned to tail rows and it and the 16-token one on two streams."""
+    each with its 64-token bucket tuned to tail rows, it and the 16-token one on two streams, and
+    the 1-token one without the decode kernel."""
     spec_file = TINY
     if spec == "grouped_bf16":
         spec_file = tmp_path / "grouped_bf16.yaml"
         spec_file.write_text(GROUPED_BF16)
-    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16)
+    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16, 1)
     env = dict(sm90_compile_env, MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
     result = subprocess.run([sys.executable, str(REPO / "tests" / script), str(spec_file), "64,8,1,4,16"],
                             env=env, capture_output=True, text=True, timeout=600)
@@ -509,7 +513,9 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_en
     CPU against a stand-in sm_90 driver (tests/first_launch_replay.py): Triton compiles with the
     ptxas of its wheel and looks kernels up exactly as on the GPU. Two shapes: odd fp32 sizes,
     and bf16 with grouped, biased routing (tensor descriptors throughout); the 64-token bucket of
-    each tuned to tail rows, it and the 16-token one on two streams (shifted views of the layout)."""
+    each tuned to tail rows, it and the 16-token one on two streams (shifted views of the layout);
+    every call both as a host-paced eager call and as not (the 1- and 16-token buckets, which do
+    not decode, then take the 4-token bucket's decode kernel)."""
     replay = _replay_launches("first_launch_replay.py", spec, tmp_path, sm90_compile_env)
     kernels = {launch["kernel"].split("_silu_")[0] + ("_" + launch["kernel"].rsplit("_", 1)[1]
                                                        if launch["kernel"].endswith(("_count", "_place", "_finish")) else "")
@@ -517,6 +523,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_en
     assert kernels == {"moe_route_align_count", "moe_route_align_place", "moe_route_align", "moe_gate_up",
                        "moe_down_reduce", "moe_decode", "moe_decode_finish"}
     assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64] and replay["two_stream_buckets"] == [16, 64]
+    assert replay["eager_decode_bucket"] == 4
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
 
 

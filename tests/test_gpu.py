@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from moegen import reference as ref
+from moegen.runtime import fused
 from moegen.runtime.step_graphs import capture_graph
 
 pytestmark = [
@@ -245,6 +246,12 @@ def test_fused_moe_matches_float64_reference(case, models):
 
     expected = ref.moe_reference(x, logits, model.w13, model.w2, p, m.activation, bias)
     check_close(out, expected, str(case))
+    ks = model.pkg.KERNELS
+    config = ks.config_for(case.tokens)
+    if case.tokens <= fused.DECODE_MAX_TOKENS and not fused.uses_decode(config, case.tokens):
+        # The eager call above decoded (host-paced, fused_moe): the bucket's tuned path too.
+        out = fused.fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
+        check_close(out, expected, f"{case} tuned path")
 
 
 DECODE_CASES = (
@@ -379,8 +386,6 @@ def test_eager_calls_fork_the_second_stream_only_while_the_gpu_is_behind(case, m
     graph always forks it. Right every way."""
     from dataclasses import replace
 
-    from moegen.runtime import fused
-
     model = models[case.spec]
     ks = model.pkg.KERNELS
     config = replace(ks.config_for(case.tokens), streams=2, decode_block_n=0)
@@ -413,6 +418,57 @@ def test_eager_calls_fork_the_second_stream_only_while_the_gpu_is_behind(case, m
     streams.clear()
     graph, replayed = capture_graph(call)
     assert side in streams  # the capture's launches (after the warm-up's)
+    poison_allocator()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_close(replayed, expected, f"{case} graph replay")
+
+
+@pytest.mark.parametrize("case", [Case("qwen3-30b-a3b", t) for t in (12, 16)] + [Case("deepseek-v3", t) for t in (2, 16)],
+                         ids=str)
+def test_host_paced_eager_decode_batches_take_the_decode_kernel(case, models, monkeypatch):
+    """An eager call of a decode batch whose bucket runs the three-kernel path takes the decode
+    kernel of the largest bucket that has one while the GPU is within a call of the host, and
+    the tuned path once it is more than a call behind; a call captured in a CUDA graph, or given
+    its config, the tuned path. Right every way."""
+    model = models[case.spec]
+    ks = model.pkg.KERNELS
+    assert not fused.uses_decode(ks.config_for(case.tokens), case.tokens) and ks.eager_decode_bucket is not None
+    x, logits, bias, _ = case_inputs(case, model)
+    expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
+    kernels = []
+    real_launch = fused.launch
+    monkeypatch.setattr(fused, "launch", lambda kernel, grid, stream, *args, **kwargs: (
+        kernels.append(kernel), real_launch(kernel, grid, stream, *args, **kwargs)))
+
+    def call(config=None):
+        kernels.clear()
+        return fused.fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
+
+    def decoded() -> bool:
+        assert (ks.decode in kernels) != (ks.gate_up in kernels)
+        return ks.decode in kernels
+
+    outputs = {}
+    poison_allocator()
+    for label in ("caught up", "caught up again"):
+        torch.cuda.synchronize()
+        outputs[label] = call()
+        assert decoded(), label
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2 ** 27)  # ~70 ms: the next calls' kernels wait behind it
+    for label in ("queued", "queued, a call behind"):  # the calls before last have ended
+        outputs[label] = call()
+        assert decoded(), label
+    outputs["more than a call behind"] = call()
+    assert not decoded()
+    outputs["config given"] = call(config=ks.config_for(case.tokens))
+    assert not decoded()
+    torch.cuda.synchronize()
+    for label, out in outputs.items():
+        check_close(out, expected, f"{case} eager, GPU {label}")
+    graph, replayed = capture_graph(call)
+    assert not decoded()  # the capture's launches
     poison_allocator()
     graph.replay()
     torch.cuda.synchronize()

@@ -101,7 +101,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
     single_max = single_route_max_tokens(ks.num_experts)
     compiled, previous = [], 0
-    for bucket, cfg in zip(ks.buckets, ks.configs):
+    for index, (bucket, cfg) in enumerate(zip(ks.buckets, ks.configs)):
         if previous < single_max:  # some of this bucket's batches are routed by one program
             for logits_dtype in logits_dtypes:
                 compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
@@ -128,7 +128,10 @@ def compile_buckets(ks, launchers: bool = False) -> None:
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
             last = DECODE_MAX_TOKENS if bucket == ks.buckets[-1] else min(bucket, DECODE_MAX_TOKENS)
-            block_ts = sorted({decode_block_t(ks, t) for t in range(previous + 1, last + 1)})  # beyond the last too
+            tokens = set(range(previous + 1, last + 1))  # beyond the last bucket too
+            if index == ks.eager_decode_bucket:  # and the host-paced eager calls of buckets that do not decode
+                tokens |= {t for t in range(1, DECODE_MAX_TOKENS + 1) if not ks.config_for(t).decode_block_n}
+            block_ts = sorted({decode_block_t(ks, t) for t in tokens})
             for block_t, logits_dtype in itertools.product(block_ts, logits_dtypes):
                 compiled.append(ks.decode.warmup(
                     logits_dtype, torch.float32, ks.dtype, w13, w2, *decode,
