@@ -17,7 +17,7 @@ import gc
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -377,6 +377,43 @@ def test_two_stream_halves_match_float64_reference(case, models):
     check_close(replayed, expected, f"{case} two streams, graph replay")
 
 
+def spy_launches(monkeypatch) -> list:
+    """(kernel, stream) of every launch of the runtime from now on, appended as they happen."""
+    launched = []
+    real_launch = fused.launch
+    monkeypatch.setattr(fused, "launch", lambda kernel, grid, stream, *args, **kwargs: (
+        launched.append((kernel, stream)), real_launch(kernel, grid, stream, *args, **kwargs)))
+    return launched
+
+
+def eager_calls_as_the_gpu_falls_behind(call, after: Callable[[str], None]) -> dict:
+    """label -> output of eager calls (after(label) following each): two with the GPU caught up,
+    two queued behind a sleeping kernel whose call before last has ended (the GPU within a call
+    of the host), and one more than a call behind."""
+    outputs = {}
+    poison_allocator()
+    for label in ("caught up", "caught up again"):
+        torch.cuda.synchronize()
+        outputs[label] = call()
+        after(label)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2 ** 27)  # ~70 ms: the next calls' kernels wait behind it
+    for label in ("queued", "queued, a call behind", "more than a call behind"):
+        outputs[label] = call()
+        after(label)
+    return outputs
+
+
+def check_graph_replay(case, call, expected, after: Callable[[], None]) -> None:
+    """call captured in a CUDA graph (after() following the capture) and replayed, right."""
+    graph, replayed = capture_graph(call)
+    after()
+    poison_allocator()
+    graph.replay()
+    torch.cuda.synchronize()
+    check_close(replayed, expected, f"{case} graph replay")
+
+
 @pytest.mark.parametrize("case", [Case(spec, t) for spec in ("qwen3-30b-a3b", "mixtral-8x7b") for t in (16, 300)],
                          ids=str)
 def test_eager_calls_fork_the_second_stream_only_while_the_gpu_is_behind(case, models, monkeypatch):
@@ -391,37 +428,27 @@ def test_eager_calls_fork_the_second_stream_only_while_the_gpu_is_behind(case, m
     config = replace(ks.config_for(case.tokens), streams=2, decode_block_n=0)
     x, logits, bias, _ = case_inputs(case, model)
     expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
-    streams = []
-    real_launch = fused.launch
-    monkeypatch.setattr(fused, "launch", lambda kernel, grid, stream, *args, **kwargs: (
-        streams.append(stream), real_launch(kernel, grid, stream, *args, **kwargs)))
+    launched = spy_launches(monkeypatch)
     side = fused.side_stream(x.device)
 
     def call():
+        launched.clear()
         return fused.fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
 
-    outputs = {}
-    poison_allocator()
-    for label in ("caught up", "caught up again"):
-        torch.cuda.synchronize()
-        outputs[label] = call()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2 ** 27)  # ~70 ms: the next calls' kernels wait behind it
-    for label in ("queued", "queued, a call behind"):  # the calls before last have ended
-        outputs[label] = call()
-    assert side not in streams
-    outputs["more than a call behind"] = call()
-    assert (side in streams) == (case.tokens > fused.EAGER_ONE_STREAM_MAX_TOKENS)  # decode batches: one stream
+    def forked() -> bool:
+        return any(stream is side for _, stream in launched)
+
+    def after(label):  # decode batches: one stream
+        assert forked() == (label == "more than a call behind" and case.tokens > fused.EAGER_ONE_STREAM_MAX_TOKENS)
+
+    outputs = eager_calls_as_the_gpu_falls_behind(call, after)
     torch.cuda.synchronize()
     for label, out in outputs.items():
         check_close(out, expected, f"{case} eager, GPU {label}")
-    streams.clear()
-    graph, replayed = capture_graph(call)
-    assert side in streams  # the capture's launches (after the warm-up's)
-    poison_allocator()
-    graph.replay()
-    torch.cuda.synchronize()
-    check_close(replayed, expected, f"{case} graph replay")
+    def captured():
+        assert forked()
+
+    check_graph_replay(case, call, expected, captured)
 
 
 @pytest.mark.parametrize("case", [Case("qwen3-30b-a3b", t) for t in (12, 16)] + [Case("deepseek-v3", t) for t in (2, 16)],
@@ -436,43 +463,30 @@ def test_host_paced_eager_decode_batches_take_the_decode_kernel(case, models, mo
     assert not fused.uses_decode(ks.config_for(case.tokens), case.tokens) and ks.eager_decode_bucket is not None
     x, logits, bias, _ = case_inputs(case, model)
     expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
-    kernels = []
-    real_launch = fused.launch
-    monkeypatch.setattr(fused, "launch", lambda kernel, grid, stream, *args, **kwargs: (
-        kernels.append(kernel), real_launch(kernel, grid, stream, *args, **kwargs)))
+    launched = spy_launches(monkeypatch)
 
     def call(config=None):
-        kernels.clear()
+        launched.clear()
         return fused.fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
 
     def decoded() -> bool:
+        kernels = {kernel for kernel, _ in launched}
         assert (ks.decode in kernels) != (ks.gate_up in kernels)
         return ks.decode in kernels
 
-    outputs = {}
-    poison_allocator()
-    for label in ("caught up", "caught up again"):
-        torch.cuda.synchronize()
-        outputs[label] = call()
-        assert decoded(), label
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2 ** 27)  # ~70 ms: the next calls' kernels wait behind it
-    for label in ("queued", "queued, a call behind"):  # the calls before last have ended
-        outputs[label] = call()
-        assert decoded(), label
-    outputs["more than a call behind"] = call()
-    assert not decoded()
+    def after(label):
+        assert decoded() == (label != "more than a call behind"), label
+
+    outputs = eager_calls_as_the_gpu_falls_behind(call, after)
     outputs["config given"] = call(config=ks.config_for(case.tokens))
     assert not decoded()
     torch.cuda.synchronize()
     for label, out in outputs.items():
         check_close(out, expected, f"{case} eager, GPU {label}")
-    graph, replayed = capture_graph(call)
-    assert not decoded()  # the capture's launches
-    poison_allocator()
-    graph.replay()
-    torch.cuda.synchronize()
-    check_close(replayed, expected, f"{case} graph replay")
+    def captured():
+        assert not decoded()
+
+    check_graph_replay(case, call, expected, captured)
 
 
 def test_correction_bias_is_required(models):

@@ -276,7 +276,9 @@ def run_all(say, cases=CASES) -> list[str]:
         f"(moegen's layers hold the blocks' own expert tensors); MoE block host us: the median host time of one "
         f"MoE block's call inside those eager forwards (forward hooks, no synchronization; medians of the rounds), "
         f"the part of the host's time that swapping the blocks changes; kernels only: the summed GPU time of one "
-        f"prefill and of one decode step (torch.profiler), what CUDA-graph replays would approach")
+        f"eager prefill and of one eager decode step (torch.profiler), where moegen's calls take the paths of a "
+        f"host-paced caller (one stream; the decode kernel at decode batches whose bucket has none), which CUDA "
+        f"graphs replace by the tuned ones")
     say("- transformers' experts: its defaults, grouped_mm (torch._grouped_mm) for the prefill and batched_mm "
         "while generate decodes (the kernels-only decode step, a forward outside generate, runs grouped_mm); "
         "moegen: the model's MoE blocks swapped for the package of `moegen spec` of the same config "
