@@ -106,7 +106,7 @@ def main(spec: str, tokens: list[int]) -> dict:
     return {"shipped": len(list((folder / precompile.CACHE_FOLDER).iterdir())), "launches": launches,
             "tail_row_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.tail_m],
             "two_stream_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.streams == 2],
-            "eager_decode_bucket": ks.eager_decode_bucket and ks.buckets[ks.eager_decode_bucket]}
+            "eager_decode_bucket": None if ks.eager_decode_bucket is None else ks.buckets[ks.eager_decode_bucket]}
 
 
 if __name__ == "__main__":

@@ -249,7 +249,7 @@ def test_fused_moe_matches_float64_reference(case, models):
     ks = model.pkg.KERNELS
     config = ks.config_for(case.tokens)
     if case.tokens <= fused.DECODE_MAX_TOKENS and not fused.uses_decode(config, case.tokens):
-        # The eager call above decoded (host-paced, fused_moe): the bucket's tuned path too.
+        # The eager call above may have decoded (host-paced, fused_moe): the bucket's tuned path too.
         out = fused.fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
         check_close(out, expected, f"{case} tuned path")
 
@@ -445,14 +445,15 @@ def test_eager_calls_fork_the_second_stream_only_while_the_gpu_is_behind(case, m
     torch.cuda.synchronize()
     for label, out in outputs.items():
         check_close(out, expected, f"{case} eager, GPU {label}")
+
     def captured():
         assert forked()
 
     check_graph_replay(case, call, expected, captured)
 
 
-@pytest.mark.parametrize("case", [Case("qwen3-30b-a3b", t) for t in (12, 16)] + [Case("deepseek-v3", t) for t in (2, 16)],
-                         ids=str)
+@pytest.mark.parametrize("case", [Case("qwen3-30b-a3b", t) for t in (12, 16)]
+                         + [Case("deepseek-v3", t) for t in (2, 16)], ids=str)
 def test_host_paced_eager_decode_batches_take_the_decode_kernel(case, models, monkeypatch):
     """An eager call of a decode batch whose bucket runs the three-kernel path takes the decode
     kernel of the largest bucket that has one while the GPU is within a call of the host, and
@@ -483,6 +484,7 @@ def test_host_paced_eager_decode_batches_take_the_decode_kernel(case, models, mo
     torch.cuda.synchronize()
     for label, out in outputs.items():
         check_close(out, expected, f"{case} eager, GPU {label}")
+
     def captured():
         assert not decoded()
 
