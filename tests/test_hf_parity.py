@@ -183,6 +183,28 @@ def test_a_model_with_moegen_blocks_gives_the_same_logits(family, model_class, c
     assert torch.equal(tokens, expected_tokens)
 
 
+def _hf_bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("hf_bench", Path(__file__).parent.parent / "tools" / "hf_bench.py")
+    hf_bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hf_bench", hf_bench)  # for its dataclasses
+    spec.loader.exec_module(hf_bench)
+    return hf_bench
+
+
+@pytest.mark.parametrize("intervals,busy", [
+    ([], 0.0),
+    ([(5.0, 7.5)], 2.5),
+    ([(0.0, 2.0), (3.0, 4.0)], 3.0),  # the gap between kernels is idle
+    ([(0.0, 10.0), (8.0, 12.0)], 12.0),  # a dependent resident through its primary's last wave
+    ([(8.0, 12.0), (0.0, 10.0)], 12.0),  # in any order
+    ([(0.0, 10.0), (2.0, 3.0), (4.0, 11.0), (11.0, 13.0)], 13.0),  # nested, chained end to start
+    ([(1.0, 4.0), (1.0, 2.0)], 3.0),  # the same start
+])
+def test_benchmark_counts_overlapping_kernels_once(intervals, busy, monkeypatch):
+    """hf_bench's kernels-only column: the time the GPU was busy, not the kernels' summed time."""
+    assert _hf_bench(monkeypatch).busy_us(intervals) == busy
+
+
 @needs_transformers_5
 @pytest.mark.parametrize("family,model_class,config_class,config_fields", [MODELS[0], MODELS[4]],
                          ids=[MODELS[0][0], MODELS[4][0]])
@@ -191,10 +213,7 @@ def test_benchmark_swaps_in_layers_that_share_the_blocks_experts(family, model_c
     """tools/hf_bench.py times transformers' blocks and moegen's in turns in one model: its
     layers hold the blocks' own expert tensors (nothing copied) and give the model's logits;
     swapped back, the model is transformers' own again. Its clock times every call of both kinds."""
-    spec = importlib.util.spec_from_file_location("hf_bench", Path(__file__).parent.parent / "tools" / "hf_bench.py")
-    hf_bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "hf_bench", hf_bench)  # for its dataclasses
-    spec.loader.exec_module(hf_bench)
+    hf_bench = _hf_bench(monkeypatch)
     model, config = _tiny_model(model_class, config_class, config_fields)
     model = _randomized(model, torch.Generator().manual_seed(zlib.crc32(family.encode()))).to(DEVICE)
     prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(7)).to(DEVICE)

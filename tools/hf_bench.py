@@ -8,7 +8,7 @@ A batch of prompts is run with transformers' own experts (`grouped_mm` for the p
 eager (no CUDA graphs, no torch.compile), so the difference is the MoE blocks alone.
 Reported: the prefill's and a greedy decode step's wall time (an eager forward is bound by the
 host's kernel launches; timed in turns), the host time of one MoE block call inside them (the
-part of the host's time the swap changes), their kernels' summed GPU time (torch.profiler;
+part of the host's time the swap changes), the time their kernels kept the GPU busy (torch.profiler;
 transformers' decode step outside `generate` runs its default `grouped_mm`), the relative
 difference of the prefill logits beside transformers' own between its eager and grouped_mm
 experts, and how many greedy steps agree.
@@ -41,7 +41,7 @@ class Timing:
     step_ms: float  # wall clock per greedy decode step, eager
     prefill_block_us: float  # host time of one MoE block call inside the eager prefill (BlockClock)
     step_block_us: float  # the same inside a decode step
-    prefill_gpu_ms: float  # the prefill's kernels alone (profiler): what a CUDA-graph replay would take
+    prefill_gpu_ms: float  # the GPU's busy time in the prefill's kernels (profiler, overlaps counted once)
     step_gpu_ms: float
 
 
@@ -93,14 +93,27 @@ def _seconds(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
+def busy_us(intervals) -> float:
+    """The time covered by at least one of the (start, end) intervals. Summed durations count
+    overlapping kernels twice: a programmatic dependent (the decode kernel's finish) is resident,
+    waiting, through its primary's last wave, and two streams' kernels run side by side."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
 def _kernel_ms(fn) -> float:
-    """The summed duration of the GPU kernels and copies fn launches (one profiled run)."""
+    """How long the GPU was busy with the kernels and copies fn launches (one profiled run)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    return busy_us((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
 class BlockClock:
@@ -275,8 +288,9 @@ def run_all(say, cases=CASES) -> list[str]:
         f"the median of {EAGER_ROUNDS} rounds that time transformers' and moegen's blocks in turns in one model "
         f"(moegen's layers hold the blocks' own expert tensors); MoE block host us: the median host time of one "
         f"MoE block's call inside those eager forwards (forward hooks, no synchronization; medians of the rounds), "
-        f"the part of the host's time that swapping the blocks changes; kernels only: the summed GPU time of one "
-        f"eager prefill and of one eager decode step (torch.profiler), where moegen's calls take the paths of a "
+        f"the part of the host's time that swapping the blocks changes; kernels only: the time the GPU was busy "
+        f"with the kernels of one eager prefill and of one eager decode step (torch.profiler; kernels that "
+        f"overlap, such as a programmatic dependent waiting for its primary, counted once), where moegen's calls take the paths of a "
         f"host-paced caller (one stream; the decode kernel at decode batches whose bucket has none), which CUDA "
         f"graphs replace by the tuned ones")
     say("- transformers' experts: its defaults, grouped_mm (torch._grouped_mm) for the prefill and batched_mm "
