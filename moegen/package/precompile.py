@@ -91,7 +91,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
 
     from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, dependent_launch,
                                       down_launch, multi_route_launch, pdl_supported, single_route_launch,
-                                      single_route_max_tokens, tma_possible)
+                                      single_route_max_tokens, tma_possible, uses_decode)
 
     route, count, place, gate_up, down, decode = _mock_launch_args(ks)
     pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
@@ -130,7 +130,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             last = DECODE_MAX_TOKENS if bucket == ks.buckets[-1] else min(bucket, DECODE_MAX_TOKENS)
             tokens = set(range(previous + 1, last + 1))  # beyond the last bucket too
             if index == ks.eager_decode_bucket:  # and the host-paced eager calls of buckets that do not decode
-                tokens |= {t for t in range(1, DECODE_MAX_TOKENS + 1) if not ks.config_for(t).decode_block_n}
+                tokens |= {t for t in range(1, DECODE_MAX_TOKENS + 1) if not uses_decode(ks.config_for(t), t)}
             block_ts = sorted({decode_block_t(ks, t) for t in tokens})
             for block_t, logits_dtype in itertools.product(block_ts, logits_dtypes):
                 compiled.append(ks.decode.warmup(

@@ -30,8 +30,10 @@ _SINGLE_ROUTE_MAX_SCORES = 1024
 _ROUTE_TILE = 4096
 # The decode kernel's MMA tile has 16 rows: batches up to this size can take it.
 DECODE_MAX_TOKENS = 16
-# Eager calls of at most this many tokens run a two-stream config on one stream (_run_experts).
-EAGER_ONE_STREAM_MAX_TOKENS = 16
+# Eager calls of at most this many tokens run a two-stream config on one stream (_run_experts)
+# without asking whether the host paces the caller: fused_moe's eager decode rule has asked for
+# these batches already, and each call asks once.
+EAGER_ONE_STREAM_MAX_TOKENS = DECODE_MAX_TOKENS
 # Elements one program of the decode finish (cast and re-zero the workspace) handles.
 DECODE_FINISH_BLOCK = 1024
 
