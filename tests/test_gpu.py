@@ -13,6 +13,7 @@ float format, then freed), so a kernel that reads memory it never wrote produces
 """
 from __future__ import annotations
 
+import functools
 import gc
 import zlib
 from dataclasses import dataclass
@@ -497,6 +498,89 @@ def test_correction_bias_is_required(models):
     logits = torch.randn(3, model.m.num_experts, device=DEVICE)
     with pytest.raises(ValueError, match="correction_bias"):
         model.pkg.fused_moe(x, logits, model.w13, model.w2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing options beyond the shipped specs', compiled (the interpreter runs the CPU matrix)
+# ---------------------------------------------------------------------------------------------
+
+# Small experts, so that only the routing differs from what the shipped specs compile: every
+# scoring, grouping and bias option, and expert counts that are not powers of two.
+ROUTING_OPTIONS = {
+    "softmax_60": dict(num_experts=60, top_k=4),
+    "softmax_no_renormalize": dict(num_experts=128, top_k=8, renormalize=False),
+    "sigmoid_top1": dict(num_experts=16, top_k=1, scoring="sigmoid", renormalize=False),
+    # DeepSeek-V2's group-limited greedy: softmax, groups by their best score, no bias.
+    "grouped_softmax_deepseek_v2": dict(num_experts=160, top_k=6, n_group=8, topk_group=3, renormalize=False,
+                                        routed_scaling_factor=16.0),
+    "grouped_softmax_128": dict(num_experts=128, top_k=6, n_group=8, topk_group=3),
+    "grouped_softmax_64": dict(num_experts=64, top_k=8, n_group=8, topk_group=3),
+    "grouped_sigmoid_no_bias": dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid"),
+    "grouped_bias": dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", correction_bias=True,
+                         routed_scaling_factor=2.5),
+    "grouped_bias_softmax_groups_of_six": dict(num_experts=24, top_k=4, n_group=4, topk_group=2,
+                                               correction_bias=True),
+}
+ROUTE_TILE_ROWS = (1, 2, 4, 8, 16)  # token rows of the routing tiles the runtime sizes
+
+
+def routing_option_model(name: str, package_factory) -> Model:
+    pkg = package_factory(buckets=(1, 8, 64), hidden_size=128, intermediate_size=64, dtype="bfloat16",
+                          **ROUTING_OPTIONS[name])
+    m = pkg.SPEC.model
+    g = torch.Generator(device=DEVICE).manual_seed(_seed("routing weights", name))
+    w13 = torch.randn(m.num_experts, 2 * 64, 128, generator=g, device=DEVICE, dtype=DTYPE).mul_(128 ** -0.5)
+    w2 = torch.randn(m.num_experts, 128, 64, generator=g, device=DEVICE, dtype=DTYPE).mul_(64 ** -0.5)
+    return Model(pkg, w13, w2)
+
+
+@pytest.mark.parametrize("name", ROUTING_OPTIONS)
+def test_routing_options_match_float64_reference(name, package_factory):
+    """Every path's routing (the decode kernel's, the single program's, the count kernel's) on
+    the compiled kernels, eager and replayed: Triton 3.6 computes group-limited routing without a
+    bias wrongly in tiles of 2 and 4 token rows, where the interpreter computes it right
+    (fused.GROUPED_UNBIASED_MIN_ROWS)."""
+    model = routing_option_model(name, package_factory)
+    m, p = model.m, model.routing
+    g = torch.Generator().manual_seed(_seed("routing", name))
+    bias = random_bias(m.num_experts, 0.05, g) if m.correction_bias else None
+    for tokens in (1, 3, 8, 9, 64, 300):
+        x = fresh_hidden(tokens, m.hidden_size, _seed("routing x", name, tokens))
+        logits = ref.separated_router_logits(tokens, p, bias, generator=g, device=DEVICE)
+        expected = ref.moe_reference(x, logits, model.w13, model.w2, p, m.activation, bias)
+        call = functools.partial(model.pkg.fused_moe, x, logits, model.w13, model.w2, correction_bias=bias)
+        check_close(call(), expected, f"{name} T={tokens} eager")
+        graph, out = capture_graph(call)
+        graph.replay()
+        check_close(out, expected, f"{name} T={tokens} replayed")
+
+
+@pytest.mark.parametrize("name", ROUTING_OPTIONS)
+def test_count_kernel_routes_at_every_token_tile(name, package_factory):
+    """The multi-program routing's count kernel at each token tile the runtime may launch it
+    with (fused.route_tile_rows of the sizes it picks by the expert count): the experts and
+    weights of every token."""
+    ks = package_factory(buckets=(1, 8, 64), hidden_size=128, intermediate_size=64, dtype="bfloat16",
+                         **ROUTING_OPTIONS[name]).KERNELS
+    p, tokens = ks.routing, 64
+    g = torch.Generator().manual_seed(_seed("count", name))
+    bias = random_bias(p.num_experts, 0.05, g) if p.correction_bias else None
+    logits = ref.separated_router_logits(tokens, p, bias, generator=g, device=DEVICE)
+    want_weights, want_ids, _ = ref.route_reference(logits, p, bias)
+    slots = tokens * p.top_k
+    for block_t in sorted({fused.route_tile_rows(ks, rows) for rows in ROUTE_TILE_ROWS}):
+        weights = torch.empty(slots, dtype=torch.float32, device=DEVICE)
+        ids = torch.empty(slots, dtype=torch.int32, device=DEVICE)
+        ranks = torch.empty(slots, dtype=torch.int32, device=DEVICE)
+        counts = torch.full((p.num_experts,), slots, dtype=torch.int32, device=DEVICE)
+        ks.route_count[(tokens // block_t,)](logits, weights if bias is None else bias, weights, ids, ranks, counts,
+                                             tokens, logits.stride(0), BLOCK_T=block_t, USE_PDL=False)
+        # Picks in order of their choice score, as the reference ranks them.
+        assert torch.equal(ids.view(tokens, p.top_k).long(), want_ids), f"{name} BLOCK_T={block_t}: experts"
+        torch.testing.assert_close(weights.view(tokens, p.top_k).double(), want_weights, rtol=1e-5, atol=1e-6,
+                                   msg=lambda text: f"{name} BLOCK_T={block_t}: weights: {text}")
+        assert torch.equal(counts - slots, torch.bincount(want_ids.flatten(), minlength=p.num_experts).int()), \
+            f"{name} BLOCK_T={block_t}: counts"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -189,6 +189,9 @@ DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
     # 33-128 positions: the row routed in one copy per warp (plain and grouped with a bias).
     Case("decode_one_token_copies", 1, dict(BASE, num_experts=40, top_k=5, renormalize=False)),
     Case("decode_one_token_copies_grouped", 1, dict(GROUPED, num_experts=64, top_k=6)),
+    Case("decode_one_token_grouped_unbiased", 1, dict(BASE, num_experts=64, top_k=6, n_group=8, topk_group=3)),
+    # Group-limited without a bias: token tiles of 8 rows where 2-4 would be sized (GPU workaround).
+    Case("decode_grouped_unbiased", 3, dict(BASE, num_experts=64, top_k=6, n_group=8, topk_group=3)),
     # ~100 programs: groups of neighbours start GEMM2 at each of the three chunks of H (one partial).
     Case("decode_staggered_chunks", 9, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)),
 ]
@@ -308,6 +311,9 @@ ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "f
     Case("grouped_wide", 40, dict(GROUPED, num_experts=32, top_k=6, n_group=8, topk_group=3)),
     Case("deepseek_v3_routing", 37, dict(GROUPED, num_experts=256, top_k=8, n_group=8, topk_group=4)),
     Case("groups_of_six", 29, dict(GROUPED, num_experts=24, top_k=4, n_group=4, topk_group=2)),
+    # DeepSeek-V2's group-limited softmax (no bias): count tiles of 8 rows where 2 would be sized.
+    Case("grouped_unbiased_deepseek_v2", 21, dict(BASE, num_experts=160, top_k=6, n_group=8, topk_group=3,
+                                                  renormalize=False, routed_scaling_factor=16.0)),
     Case("tied_scores", 17, dict(BASE, num_experts=12, top_k=4), routing="ties"),
     Case("run_beyond_rank_wrap", 150, dict(BASE, top_k=1), routing="one_expert"),  # 19 blocks of 8 on expert 2
 ]
@@ -384,6 +390,27 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, tails_first, packa
     assert torch.equal(order.values, ref_order.values)
     flat_weights = weights.view(t, k).cpu().double()
     assert torch.allclose(flat_weights.gather(1, order.indices), ref_weights.cpu().gather(1, ref_order.indices), rtol=1e-5)
+
+
+@pytest.mark.parametrize("model,rows,expected", [
+    (dict(num_experts=160, top_k=6, n_group=8, topk_group=3), (1, 2, 4, 8, 16), (1, 8, 8, 8, 16)),
+    (dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", correction_bias=True),
+     (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),
+    (dict(num_experts=160, top_k=6), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),
+], ids=["grouped_unbiased", "grouped_biased", "ungrouped"])
+def test_routing_tiles_avoid_rows_triton_computes_wrongly(model, rows, expected, package_factory):
+    """Group-limited routing without a bias never gets token tiles of 2 or 4 rows (Triton 3.6
+    picks experts twice there on sm_90): not in the count kernel, the single program or the
+    decode kernel; other routings keep the sizes picked."""
+    from moegen.runtime import fused
+
+    ks = package_factory(**dict(BASE, **model)).KERNELS
+    assert tuple(fused.route_tile_rows(ks, r) for r in rows) == expected
+    unbiased = model.get("n_group", 1) > 1 and not model.get("correction_bias", False)
+    tiles = {fused.multi_route_launch(ks)[0]["BLOCK_T"]}
+    tiles |= {fused.single_route_launch(ks, t)["BLOCK_T"] for t in range(1, 9)}
+    tiles |= {fused.decode_block_t(ks, t) for t in range(1, fused.DECODE_MAX_TOKENS + 1)}
+    assert not (unbiased and tiles & {2, 4})
 
 
 @pytest.mark.parametrize("experts,knob,expected", [(8, None, 8), (128, None, 8), (256, None, 4), (2048, None, 0),

@@ -192,18 +192,35 @@ def single_route_max_tokens(num_experts: int) -> int:
     return min(_SINGLE_ROUTE_MAX_TOKENS, _SINGLE_ROUTE_MAX_SCORES // num_experts)
 
 
+# Group-limited routing without a correction bias comes out wrong on sm_90 under Triton 3.6 when
+# a routing tile holds 2 or 4 token rows (experts picked twice; the interpreter computes it right,
+# and no rewrite of the group limit tried changed that): such tiles take 8 rows, which routed
+# correctly in the same H200 probes, as one row did (tests/test_gpu.py checks every tile launched).
+GROUPED_UNBIASED_MIN_ROWS = 8
+
+
+def route_tile_rows(ks: KernelSet, rows: int) -> int:
+    """The token rows of a routing tile: `rows`, or GROUPED_UNBIASED_MIN_ROWS where the routing
+    is group-limited without a bias and `rows` is between one and that."""
+    p = ks.routing
+    if p.n_group > 1 and not p.correction_bias and 1 < rows < GROUPED_UNBIASED_MIN_ROWS:
+        return GROUPED_UNBIASED_MIN_ROWS
+    return rows
+
+
 def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
     """Launch settings of the single-program routing kernel, sized by the batch's bucket so that
     a handful of compiled variants serve all batches: a decode token is not padded to 16."""
     bucket = max(1, min(ks.bucket_for(num_tokens), single_route_max_tokens(ks.num_experts)))
     slots = pow2_at_least(bucket * ks.top_k)
-    return dict(BLOCK_T=min(16, pow2_at_least(bucket)), BLOCK_S=max(16, min(64, slots)), num_warps=4)
+    return dict(BLOCK_T=route_tile_rows(ks, min(16, pow2_at_least(bucket))), BLOCK_S=max(16, min(64, slots)),
+                num_warps=4)
 
 
 def decode_block_t(ks: KernelSet, num_tokens: int) -> int:
     """Token rows the decode kernel routes: sized by the batch's bucket (few compiled variants),
     or by the batch where it exceeds the largest bucket."""
-    return pow2_at_least(min(max(ks.bucket_for(num_tokens), num_tokens), DECODE_MAX_TOKENS))
+    return route_tile_rows(ks, pow2_at_least(min(max(ks.bucket_for(num_tokens), num_tokens), DECODE_MAX_TOKENS)))
 
 
 def uses_decode(cfg: KernelConfig, num_tokens: int) -> bool:
@@ -213,7 +230,7 @@ def uses_decode(cfg: KernelConfig, num_tokens: int) -> bool:
 def multi_route_launch(ks: KernelSet) -> tuple[dict, dict]:
     """(count, place) launch settings: one-hot tiles of about _ROUTE_TILE elements."""
     experts = pow2_at_least(ks.num_experts)
-    tokens = max(1, min(64, _ROUTE_TILE // (pow2_at_least(ks.top_k) * experts)))
+    tokens = route_tile_rows(ks, max(1, min(64, _ROUTE_TILE // (pow2_at_least(ks.top_k) * experts))))
     return dict(BLOCK_T=tokens, num_warps=4), dict(BLOCK_S=max(16, min(256, _ROUTE_TILE // experts)), num_warps=4)
 
 
