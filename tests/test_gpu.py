@@ -524,13 +524,17 @@ ROUTING_OPTIONS = {
 ROUTE_TILE_ROWS = (1, 2, 4, 8, 16)  # token rows of the routing tiles the runtime sizes
 
 
+def routing_option_package(name: str, package_factory):
+    return package_factory(buckets=(1, 8, 64), hidden_size=128, intermediate_size=64, dtype="bfloat16",
+                           **ROUTING_OPTIONS[name])
+
+
 def routing_option_model(name: str, package_factory) -> Model:
-    pkg = package_factory(buckets=(1, 8, 64), hidden_size=128, intermediate_size=64, dtype="bfloat16",
-                          **ROUTING_OPTIONS[name])
-    m = pkg.SPEC.model
+    pkg = routing_option_package(name, package_factory)
+    e, h, i = pkg.SPEC.model.num_experts, pkg.SPEC.model.hidden_size, pkg.SPEC.model.intermediate_size
     g = torch.Generator(device=DEVICE).manual_seed(_seed("routing weights", name))
-    w13 = torch.randn(m.num_experts, 2 * 64, 128, generator=g, device=DEVICE, dtype=DTYPE).mul_(128 ** -0.5)
-    w2 = torch.randn(m.num_experts, 128, 64, generator=g, device=DEVICE, dtype=DTYPE).mul_(64 ** -0.5)
+    w13 = torch.randn(e, 2 * i, h, generator=g, device=DEVICE, dtype=DTYPE).mul_(h ** -0.5)
+    w2 = torch.randn(e, h, i, generator=g, device=DEVICE, dtype=DTYPE).mul_(i ** -0.5)
     return Model(pkg, w13, w2)
 
 
@@ -560,8 +564,7 @@ def test_count_kernel_routes_at_every_token_tile(name, package_factory):
     """The multi-program routing's count kernel at each token tile the runtime may launch it
     with (fused.route_tile_rows of the sizes it picks by the expert count): the experts and
     weights of every token."""
-    ks = package_factory(buckets=(1, 8, 64), hidden_size=128, intermediate_size=64, dtype="bfloat16",
-                         **ROUTING_OPTIONS[name]).KERNELS
+    ks = routing_option_package(name, package_factory).KERNELS
     p, tokens = ks.routing, 64
     g = torch.Generator().manual_seed(_seed("count", name))
     bias = random_bias(p.num_experts, 0.05, g) if p.correction_bias else None
