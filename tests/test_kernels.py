@@ -392,25 +392,26 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, tails_first, packa
     assert torch.allclose(flat_weights.gather(1, order.indices), ref_weights.cpu().gather(1, ref_order.indices), rtol=1e-5)
 
 
-@pytest.mark.parametrize("model,rows,expected", [
-    (dict(num_experts=160, top_k=6, n_group=8, topk_group=3), (1, 2, 4, 8, 16), (1, 8, 8, 8, 16)),
-    (dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", correction_bias=True),
-     (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),
-    (dict(num_experts=160, top_k=6), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),
+TILE_ROWS = (1, 2, 4, 8, 16)  # the routing tiles' token rows the runtime sizes
+
+
+@pytest.mark.parametrize("model,expected", [
+    (dict(num_experts=160, top_k=6, n_group=8, topk_group=3), (1, 8, 8, 8, 16)),
+    (dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", correction_bias=True), TILE_ROWS),
+    (dict(num_experts=160, top_k=6), TILE_ROWS),
 ], ids=["grouped_unbiased", "grouped_biased", "ungrouped"])
-def test_routing_tiles_avoid_rows_triton_computes_wrongly(model, rows, expected, package_factory):
+def test_routing_tiles_avoid_rows_triton_computes_wrongly(model, expected, package_factory):
     """Group-limited routing without a bias never gets token tiles of 2 or 4 rows (Triton 3.6
     picks experts twice there on sm_90): not in the count kernel, the single program or the
     decode kernel; other routings keep the sizes picked."""
     from moegen.runtime import fused
 
     ks = package_factory(**dict(BASE, **model)).KERNELS
-    assert tuple(fused.route_tile_rows(ks, r) for r in rows) == expected
-    unbiased = model.get("n_group", 1) > 1 and not model.get("correction_bias", False)
+    assert tuple(fused.route_tile_rows(ks, r) for r in TILE_ROWS) == expected
     tiles = {fused.multi_route_launch(ks)[0]["BLOCK_T"]}
     tiles |= {fused.single_route_launch(ks, t)["BLOCK_T"] for t in range(1, 9)}
     tiles |= {fused.decode_block_t(ks, t) for t in range(1, fused.DECODE_MAX_TOKENS + 1)}
-    assert not (unbiased and tiles & {2, 4})
+    assert tiles <= set(expected)  # every tile launched is one route_tile_rows gives
 
 
 @pytest.mark.parametrize("experts,knob,expected", [(8, None, 8), (128, None, 8), (256, None, 4), (2048, None, 0),

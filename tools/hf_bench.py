@@ -291,8 +291,8 @@ def run_all(say, cases=CASES) -> list[str]:
         f"the part of the host's time that swapping the blocks changes; kernels only: the time the GPU was busy "
         f"with the kernels of one eager prefill and of one eager decode step (torch.profiler; kernels that "
         f"overlap, such as a programmatic dependent waiting for its primary, counted once), where moegen's "
-        f"calls take the paths of a host-paced caller (one stream; the decode kernel at decode batches whose bucket has none), which CUDA "
-        f"graphs replace by the tuned ones")
+        f"calls take the paths of a host-paced caller (one stream; the decode kernel at decode batches whose "
+        f"bucket has none), which CUDA graphs replace by the tuned ones")
     say("- transformers' experts: its defaults, grouped_mm (torch._grouped_mm) for the prefill and batched_mm "
         "while generate decodes (the kernels-only decode step, a forward outside generate, runs grouped_mm); "
         "moegen: the model's MoE blocks swapped for the package of `moegen spec` of the same config "
