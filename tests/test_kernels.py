@@ -190,7 +190,7 @@ DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
     Case("decode_one_token_copies", 1, dict(BASE, num_experts=40, top_k=5, renormalize=False)),
     Case("decode_one_token_copies_grouped", 1, dict(GROUPED, num_experts=64, top_k=6)),
     Case("decode_one_token_grouped_unbiased", 1, dict(BASE, num_experts=64, top_k=6, n_group=8, topk_group=3)),
-    # Group-limited without a bias: token tiles of 8 rows where 2-4 would be sized (GPU workaround).
+    # Group-limited without a bias: token tiles of 16 rows where 2-8 would be sized (GPU workaround).
     Case("decode_grouped_unbiased", 3, dict(BASE, num_experts=64, top_k=6, n_group=8, topk_group=3)),
     # ~100 programs: groups of neighbours start GEMM2 at each of the three chunks of H (one partial).
     Case("decode_staggered_chunks", 9, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)),
@@ -311,7 +311,7 @@ ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "f
     Case("grouped_wide", 40, dict(GROUPED, num_experts=32, top_k=6, n_group=8, topk_group=3)),
     Case("deepseek_v3_routing", 37, dict(GROUPED, num_experts=256, top_k=8, n_group=8, topk_group=4)),
     Case("groups_of_six", 29, dict(GROUPED, num_experts=24, top_k=4, n_group=4, topk_group=2)),
-    # DeepSeek-V2's group-limited softmax (no bias): count tiles of 8 rows where 2 would be sized.
+    # DeepSeek-V2's group-limited softmax (no bias): count tiles of 16 rows where 2 would be sized.
     Case("grouped_unbiased_deepseek_v2", 21, dict(BASE, num_experts=160, top_k=6, n_group=8, topk_group=3,
                                                   renormalize=False, routed_scaling_factor=16.0)),
     Case("tied_scores", 17, dict(BASE, num_experts=12, top_k=4), routing="ties"),
@@ -396,12 +396,12 @@ TILE_ROWS = (1, 2, 4, 8, 16)  # the routing tiles' token rows the runtime sizes
 
 
 @pytest.mark.parametrize("model,expected", [
-    (dict(num_experts=160, top_k=6, n_group=8, topk_group=3), (1, 8, 8, 8, 16)),
+    (dict(num_experts=160, top_k=6, n_group=8, topk_group=3), (1, 16, 16, 16, 16)),
     (dict(num_experts=256, top_k=8, n_group=8, topk_group=4, scoring="sigmoid", correction_bias=True), TILE_ROWS),
     (dict(num_experts=160, top_k=6), TILE_ROWS),
 ], ids=["grouped_unbiased", "grouped_biased", "ungrouped"])
 def test_routing_tiles_avoid_rows_triton_computes_wrongly(model, expected, package_factory):
-    """Group-limited routing without a bias never gets token tiles of 2 or 4 rows (Triton 3.6
+    """Group-limited routing without a bias never gets token tiles of 2 to 8 rows (Triton 3.6
     picks experts twice there on sm_90): not in the count kernel, the single program or the
     decode kernel; other routings keep the sizes picked."""
     from moegen.runtime import fused

@@ -192,11 +192,12 @@ def single_route_max_tokens(num_experts: int) -> int:
     return min(_SINGLE_ROUTE_MAX_TOKENS, _SINGLE_ROUTE_MAX_SCORES // num_experts)
 
 
-# Group-limited routing without a correction bias comes out wrong on sm_90 under Triton 3.6 when
-# a routing tile holds 2 or 4 token rows (experts picked twice; the interpreter computes it right,
-# and no rewrite of the group limit tried changed that): such tiles take 8 rows, which routed
-# correctly in the same H200 probes, as one row did (tests/test_gpu.py checks every tile launched).
-GROUPED_UNBIASED_MIN_ROWS = 8
+# Group-limited routing without a correction bias comes out wrong on sm_90 under Triton 3.6 in
+# four-warp routing tiles of 2 to 8 token rows with eight groups (experts picked twice; the
+# interpreter computes it right, and no rewrite of the group limit tried changed that): such
+# tiles take 16 rows, which routed correctly at every expert count probed on the H200, as one
+# row did (tests/test_gpu.py checks every tile launched).
+GROUPED_UNBIASED_MIN_ROWS = 16
 
 
 def route_tile_rows(ks: KernelSet, rows: int) -> int:
