@@ -245,7 +245,8 @@ def test_tails_try_gemm2_capped_to_two_programs_per_sm(down_block_n, down_num_wa
 
     path = REPO / "specs" / "deepseek-v3.yaml"
     sig, gpu = lower(load_spec(path), path).signature, _target("h200")
-    base = replace(default_config(sig, gpu, 4096), down_block_n=down_block_n, down_num_warps=down_num_warps)
+    base = replace(default_config(sig, gpu, 4096, tails=False), down_block_n=down_block_n,
+                   down_num_warps=down_num_warps)
     tail = space.tail_candidates(base, sig, gpu, 4096)
     assert {c.tail_m for c in tail if not c.down_max_registers} == {16, 32, 64}
     assert {c.tail_m for c in tail if c.down_max_registers == 128} == capped_tails
@@ -393,7 +394,7 @@ def test_defaults_take_two_streams_for_little_matrix_work(spec, tokens, gpu_name
     matrix work is short. Every start of the search is a three-kernel config on one stream: one
     with the decode kernel's fields had its GEMM candidates timed on the decode kernel, and on
     one stream each step's candidates stay valid (tail rows take two streams only in groups of
-    1) until the stream step decides."""
+    1) until the stream step decides; tail rows too are searched after the starts."""
     from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
     from moegen.spec import load_spec
@@ -403,4 +404,31 @@ def test_defaults_take_two_streams_for_little_matrix_work(spec, tokens, gpu_name
     sig, gpu = lower(load_spec(path), path).signature, _target(gpu_name)
     default = default_config(sig, gpu, tokens)
     assert default.streams == streams and violation(default, sig, gpu) is None
-    assert {(s.streams, s.decode_block_n) for s in space.starting_points(sig, gpu, tokens)} == {(1, 0)}
+    starts = space.starting_points(sig, gpu, tokens)
+    assert {(s.streams, s.decode_block_n, s.tail_m, s.down_max_registers) for s in starts} == {(1, 0, 0, 0)}
+
+
+@pytest.mark.parametrize("spec,tokens,gpu_name,tail", [
+    ("mixtral-8x7b", 512, "h200", (128, 32, 128)),   # 128 rows per expert, 8-warp GEMM2: capped
+    ("qwen3-30b-a3b", 2048, "h200", (128, 32, 128)),
+    ("mixtral-8x7b", 256, "h200", (64, 32, 0)),      # 64 rows, 4-warp GEMM2: two programs fit uncapped
+    ("mixtral-8x7b", 320, "h200", (128, 0, 0)),      # 80 rows: under 3/4 of the 128-row block
+    ("qwen3-30b-a3b", 512, "h200", (64, 0, 0)),      # 32 rows: under 3/4 of the 64-row block
+    ("mixtral-8x7b", 2, "h200", (16, 0, 0)),         # the decode kernel
+    ("mixtral-8x7b", 512, "a100", (128, 0, 0)),      # measured on Hopper only
+])
+def test_defaults_take_tail_rows_where_experts_expect_a_block(spec, tokens, gpu_name, tail):
+    """The cost model's default carries 32 tail rows, split, with GEMM2 capped to two programs
+    per SM, on Hopper where the experts expect at least 3/4 of a row block of 64 or 128 rows:
+    (block_m, tail_m, down_max_registers)."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config, violation
+    from moegen.spec import load_spec
+
+    path = REPO / "specs" / f"{spec}.yaml"
+    sig, gpu = lower(load_spec(path), path).signature, _target(gpu_name)
+    default = default_config(sig, gpu, tokens)
+    assert (default.block_m, default.tail_m, default.down_max_registers) == tail
+    assert default.tail_split == bool(default.tail_m) and violation(default, sig, gpu) is None
+    assert default_config(sig, gpu, tokens, tails=False) == replace(default, tail_m=0, tail_split=False,
+                                                                    down_max_registers=0)

@@ -37,6 +37,11 @@ ROW_GROUPS = tuple(1 << i for i in range(RUN_WRAP.bit_length()))
 DECODE_DEFAULT_MAX_TOKENS = 4
 DECODE_DEFAULT = dict(decode_block_n=64, decode_block_k=128, decode_block_h=256, decode_num_warps=4,
                       decode_num_stages=3)
+# Tail rows for Hopper batches whose experts expect most of a row block of 64+ rows: 32 tail rows,
+# split, GEMM2's 8-warp tiles capped to two programs per SM. They won all 22 such H200-tuned
+# buckets of up to 8192 tokens (mostly 32 tail rows), and on seven untuned shapes this default
+# ran 6-23% faster than the untailed one (docs/PERFORMANCE.md).
+DEFAULT_TAIL_ROWS = 32
 # Two-stream halves hide about one GEMM boundary, and two heavy GEMMs sharing the SMs cost a share
 # of the call: on the H200 the defaults of eight shapes (8 to 4096 tokens) ran 0.1-4.6% faster on
 # two streams where the call's matrix work takes under this long at the target's rate, and up to
@@ -160,13 +165,27 @@ def clamp_tiles(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
                    decode_block_h=fit(c.decode_block_h, h))
 
 
-def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -> KernelConfig:
+def expects_tail_rows(signature: KernelSignature, tokens: int, block_m: int) -> bool:
+    """Whether a batch's experts expect at least 3/4 of a row block each: runs just over a block
+    are what tail rows save a padded block on."""
+    return 4 * tokens * signature.top_k >= 3 * block_m * signature.num_experts
+
+
+def two_programs_register_cap(num_warps: int) -> int:
+    """The per-thread register cap that lets two programs of num_warps share an SM (0: they do
+    without one)."""
+    cap = REGISTERS_PER_SM // (2 * 32 * num_warps)
+    return cap if cap < MAX_REGISTERS_PER_THREAD else 0
+
+
+def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, tails: bool = True) -> KernelConfig:
     """Row blocks just cover the expected tokens per expert; memory-bound (few tokens) shapes
     get narrow N tiles and deep K tiles so enough CTAs stream the weights, compute-bound ones
     get large tiles. The 64- and 128-row configs, read through tensor descriptors on Hopper, are
     the ones the H200 tuning runs chose most often for those row blocks (docs/PERFORMANCE.md).
     Beyond decode sizes, calls of little matrix work run their row blocks in halves on two
-    streams on Hopper."""
+    streams on Hopper, and (with `tails`) blocks of 64+ rows carry tail rows where the experts
+    expect most of a block."""
     cost = bucket_cost(signature, target, tokens)
     tokens_per_expert = tokens * signature.top_k / max(cost.experts_touched, 1.0)
     block_m = min(max(pow2_at_least(tokens_per_expert), 16), 128)
@@ -193,4 +212,10 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int) -
         config = replace(config, num_stages=max(1, config.num_stages - 1),
                          down_num_stages=max(1, config.down_num_stages - 1),
                          decode_num_stages=max(1, config.decode_num_stages - 1))
+    if tails and target.arch >= 90 and not config.decode_block_n and config.block_m > DEFAULT_TAIL_ROWS \
+            and expects_tail_rows(signature, tokens, config.block_m):
+        tailed = replace(config, tail_m=DEFAULT_TAIL_ROWS, tail_split=True,
+                         down_max_registers=two_programs_register_cap(config.down_num_warps))
+        if violation(tailed, signature, target) is None:
+            config = tailed
     return config

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.plan.configs import (MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM, TAIL_ROWS, clamp_tiles, default_config,
-                                 descriptors_possible, violation)
+from moegen.plan.configs import (TAIL_ROWS, clamp_tiles, default_config, descriptors_possible, expects_tail_rows,
+                                 two_programs_register_cap, violation)
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
@@ -77,7 +77,7 @@ def tma_candidates(base: KernelConfig, signature: KernelSignature, target) -> li
 def tail_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
     """A row block's best config with tail rows, for batches whose experts expect at least 3/4 of
     a block each (runs just over a block are what a tail saves a padded block on)."""
-    if 4 * tokens * signature.top_k < 3 * base.block_m * signature.num_experts:
+    if not expects_tail_rows(signature, tokens, base.block_m):
         return []
     tails = [replace(base, tail_m=t) for t in TAIL_ROWS]
     # Each also split where its half is wide enough (configs.violation): a remainder within the
@@ -86,8 +86,7 @@ def tail_candidates(base: KernelConfig, signature: KernelSignature, target, toke
     tails += [replace(c, tail_split=True) for c in tails]
     # Each also with GEMM2 capped to two programs per SM: tails of 32 rows take its 8-warp tiles
     # past that (one program per SM; capped, 3% faster at Qwen3 and Mixtral prefill, measured).
-    capped = [replace(c, down_max_registers=cap) for c in tails
-              if (cap := REGISTERS_PER_SM // (2 * 32 * c.down_num_warps)) < MAX_REGISTERS_PER_THREAD]
+    capped = [replace(c, down_max_registers=cap) for c in tails if (cap := two_programs_register_cap(c.down_num_warps))]
     return [c for c in _keep(tails + capped, signature, target) if c != base]
 
 
@@ -147,11 +146,12 @@ def stagger_candidates(base: KernelConfig, signature: KernelSignature, target) -
 
 def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
     """One start per block_m: the cost model's default with that row block, three-kernel path
-    on one stream only (the decode kernel and two streams are searched after)."""
-    default = replace(default_config(signature, target, tokens), decode_block_n=0, streams=1)
+    on one stream without tail rows only (the decode kernel, tails and two streams are searched
+    after)."""
+    default = replace(default_config(signature, target, tokens, tails=False), decode_block_n=0, streams=1)
     starts = []
     for bm in block_m_candidates(default):
         start = default if bm == default.block_m else default_config(
-            signature, target, max(1, int(tokens * bm / default.block_m)))
+            signature, target, max(1, int(tokens * bm / default.block_m)), tails=False)
         starts.append(replace(start, block_m=bm, decode_block_n=0, streams=1))
     return _keep(starts, signature, target) or [default]
