@@ -470,8 +470,8 @@ GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").repl
 def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, stream_tokens: int,
                            undecoded_tokens: int) -> None:
     """A tuning database whose entry for `tail_tokens` has tail rows on 32-row blocks (no
-    cost-model default has them) and GEMM2's register cap, on two streams, whose entry for `stream_tokens` runs two
-    streams, and whose entry for `undecoded_tokens` does not decode."""
+    cost-model default has them) and GEMM2's register cap, on two streams, whose entry for
+    `stream_tokens` runs two streams, and whose entry for `undecoded_tokens` does not decode."""
     from dataclasses import replace
 
     from moegen.plan.configs import default_config
