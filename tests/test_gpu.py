@@ -542,8 +542,8 @@ def routing_option_model(name: str, package_factory) -> Model:
 def test_routing_options_match_float64_reference(name, package_factory):
     """Every path's routing (the decode kernel's, the single program's, the count kernel's) on
     the compiled kernels, eager and replayed: Triton 3.6 computes group-limited routing without a
-    bias wrongly in tiles of 2 to 8 token rows, where the interpreter computes it right
-    (fused.GROUPED_UNBIASED_MIN_ROWS)."""
+    bias wrongly in some tiles of 2 to 8 token rows, where the interpreter computes it right
+    (fused.route_tile_rows)."""
     model = routing_option_model(name, package_factory)
     m, p = model.m, model.routing
     g = torch.Generator().manual_seed(_seed("routing", name))

@@ -194,19 +194,23 @@ def single_route_max_tokens(num_experts: int) -> int:
 
 # Group-limited routing without a correction bias comes out wrong on sm_90 under Triton 3.6 in
 # four-warp routing tiles of 2 to 8 token rows with eight groups (experts picked twice; the
-# interpreter computes it right, and no rewrite of the group limit tried changed that): such
-# tiles take 16 rows, which routed correctly at every expert count probed on the H200, as one
-# row did (tests/test_gpu.py checks every tile launched).
+# interpreter computes it right, and no rewrite of the group limit tried changed that). On the
+# H200 every probed tile of 16 rows, or of at least 1024 elements (rows x padded experts), routed
+# right, as one row did: such routings take the fewer of those rows (tests/test_gpu.py checks
+# every tile launched).
 GROUPED_UNBIASED_MIN_ROWS = 16
+GROUPED_UNBIASED_MIN_ELEMENTS = 1024
 
 
 def route_tile_rows(ks: KernelSet, rows: int) -> int:
-    """The token rows of a routing tile: `rows`, or GROUPED_UNBIASED_MIN_ROWS where the routing
-    is group-limited without a bias and `rows` is between one and that."""
+    """The token rows of a routing tile: `rows`, raised where the routing is group-limited without
+    a bias to the fewer of GROUPED_UNBIASED_MIN_ROWS and the rows that make a tile of
+    GROUPED_UNBIASED_MIN_ELEMENTS (one row stays one)."""
     p = ks.routing
-    if p.n_group > 1 and not p.correction_bias and 1 < rows < GROUPED_UNBIASED_MIN_ROWS:
-        return GROUPED_UNBIASED_MIN_ROWS
-    return rows
+    if p.n_group == 1 or p.correction_bias or rows == 1:
+        return rows
+    positions = pow2_at_least(p.n_group) * pow2_at_least(p.num_experts // p.n_group)
+    return max(rows, min(GROUPED_UNBIASED_MIN_ROWS, -(-GROUPED_UNBIASED_MIN_ELEMENTS // positions)))
 
 
 def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
