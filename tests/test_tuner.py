@@ -432,3 +432,25 @@ def test_defaults_take_tail_rows_where_experts_expect_a_block(spec, tokens, gpu_
     assert default.tail_split == bool(default.tail_m) and violation(default, sig, gpu) is None
     assert default_config(sig, gpu, tokens, tails=False) == replace(default, tail_m=0, tail_split=False,
                                                                     down_max_registers=0)
+
+
+@pytest.mark.parametrize("spec,tokens,columns", [
+    ("olmoe-1b-7b", 1, 64),             # 8 experts x 1024/64 = 128 programs: one wave on 132 SMs
+    ("deepseek-v2-lite", 1, 64),        # 6 x 1408/64 = 132
+    ("qwen3-30b-a3b", 1, 64),           # 8 x 768/64 = 96
+    ("mixtral-8x7b", 1, 128),           # 2 x 14336/64 = 448
+    ("deepseek-v3", 1, 128),            # 8 x 2048/64 = 256
+    ("untuned/deepseek-v2", 1, 128),    # 6 x 1536/64 = 144
+    ("qwen3-30b-a3b", 2, 128),          # 16 x 768/64 = 192
+])
+def test_default_decode_slices_widen_past_one_wave(spec, tokens, columns):
+    """The default decode tile takes 64 columns of I where the batch's experts then make at most
+    one program per SM, 128 beyond (the tuned one-token choice of every shipped shape)."""
+    from moegen.ir import lower
+    from moegen.plan.configs import default_config, violation
+    from moegen.spec import load_spec
+
+    path = REPO / "specs" / f"{spec}.yaml"
+    sig, gpu = lower(load_spec(path), path).signature, _target("h200")
+    default = default_config(sig, gpu, tokens)
+    assert default.decode_block_n == columns and violation(default, sig, gpu) is None

@@ -37,6 +37,11 @@ ROW_GROUPS = tuple(1 << i for i in range(RUN_WRAP.bit_length()))
 DECODE_DEFAULT_MAX_TOKENS = 4
 DECODE_DEFAULT = dict(decode_block_n=64, decode_block_k=128, decode_block_h=256, decode_num_warps=4,
                       decode_num_stages=3)
+# Its slices of I widen to 128 columns where 64-column ones would make more programs than SMs
+# (one program fits an SM): the H200 tuning chose so at one token for all five tuned shapes and
+# in five of the six two- and four-token buckets that took the decode kernel; on three untuned
+# shapes with 144-192 programs at 64 columns, 128 ran 0.7-2.0% faster at one token.
+DECODE_WIDE_BLOCK_N = 128
 # Tail rows for Hopper batches whose experts expect most of a row block of 64+ rows: 32 tail rows,
 # split, GEMM2's 8-warp tiles capped to two programs per SM. They won all 22 such H200-tuned
 # buckets of up to 8192 tokens (mostly 32 tail rows), and on seven untuned shapes this default
@@ -178,6 +183,14 @@ def two_programs_register_cap(num_warps: int) -> int:
     return cap if cap < MAX_REGISTERS_PER_THREAD else 0
 
 
+def decode_slice_columns(signature: KernelSignature, target: GpuTarget, tokens: int) -> int:
+    """The default decode tile's columns of I: DECODE_WIDE_BLOCK_N where the default's slices
+    would take more than one wave of programs."""
+    narrow = DECODE_DEFAULT["decode_block_n"]
+    programs = min(tokens * signature.top_k, signature.num_experts) * -(-signature.intermediate_size // narrow)
+    return narrow if programs <= target.sm_count else DECODE_WIDE_BLOCK_N
+
+
 def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, tails: bool = True) -> KernelConfig:
     """Row blocks just cover the expected tokens per expert; memory-bound (few tokens) shapes
     get narrow N tiles and deep K tiles so enough CTAs stream the weights, compute-bound ones
@@ -202,7 +215,8 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, t
                               num_stages=4, down_block_n=128, down_block_k=64, down_num_warps=8,
                               down_num_stages=3, tma=descriptors_pay_off(signature, target))
     if tokens <= min(DECODE_DEFAULT_MAX_TOKENS, DECODE_MAX_TOKENS):
-        config = replace(config, tma=descriptors_pay_off(signature, target), **DECODE_DEFAULT)
+        config = replace(config, tma=descriptors_pay_off(signature, target),
+                         **dict(DECODE_DEFAULT, decode_block_n=decode_slice_columns(signature, target, tokens)))
     elif target.arch >= 90 and cost.compute_us < TWO_STREAMS_MAX_COMPUTE_US:
         config = replace(config, streams=2)
     config = clamp_tiles(config, signature)
