@@ -190,7 +190,8 @@ DECODE_CASES = [c for c in CASES if 0 < c.tokens <= 16] + [
     Case("decode_one_token_copies", 1, dict(BASE, num_experts=40, top_k=5, renormalize=False)),
     Case("decode_one_token_copies_grouped", 1, dict(GROUPED, num_experts=64, top_k=6)),
     Case("decode_one_token_grouped_unbiased", 1, dict(BASE, num_experts=64, top_k=6, n_group=8, topk_group=3)),
-    # Group-limited without a bias: token tiles of 16 rows where 2-8 would be sized (GPU workaround).
+    # Group-limited without a bias, 64 experts: token tiles of 16 rows where 2-8 would be sized (GPU
+    # workaround).
     Case("decode_grouped_unbiased", 3, dict(BASE, num_experts=64, top_k=6, n_group=8, topk_group=3)),
     # ~100 programs: groups of neighbours start GEMM2 at each of the three chunks of H (one partial).
     Case("decode_staggered_chunks", 9, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)),
@@ -311,7 +312,8 @@ ROUTING_CASES = [c for c in CASES if c.tokens > 0 and c.model.get("dtype") != "f
     Case("grouped_wide", 40, dict(GROUPED, num_experts=32, top_k=6, n_group=8, topk_group=3)),
     Case("deepseek_v3_routing", 37, dict(GROUPED, num_experts=256, top_k=8, n_group=8, topk_group=4)),
     Case("groups_of_six", 29, dict(GROUPED, num_experts=24, top_k=4, n_group=4, topk_group=2)),
-    # DeepSeek-V2's group-limited softmax (no bias): count tiles of 16 rows where 2 would be sized.
+    # DeepSeek-V2's group-limited softmax (no bias): count tiles of 4 rows (1024 elements) where 2
+    # would be sized.
     Case("grouped_unbiased_deepseek_v2", 21, dict(BASE, num_experts=160, top_k=6, n_group=8, topk_group=3,
                                                   renormalize=False, routed_scaling_factor=16.0)),
     Case("tied_scores", 17, dict(BASE, num_experts=12, top_k=4), routing="ties"),

@@ -7,7 +7,7 @@ from dataclasses import replace
 from moegen.ir import KernelSignature
 from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.align import RUN_WRAP
-from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, pow2_at_least, tma_rows_aligned
+from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, decode_grid, pow2_at_least, tma_rows_aligned
 from moegen.target import GpuTarget
 
 # fp32 accumulator values one thread may hold before the compiler spills (of 255 registers),
@@ -187,8 +187,8 @@ def decode_slice_columns(signature: KernelSignature, target: GpuTarget, tokens: 
     """The default decode tile's columns of I: DECODE_WIDE_BLOCK_N where the default's slices
     would take more than one wave of programs."""
     narrow = DECODE_DEFAULT["decode_block_n"]
-    programs = min(tokens * signature.top_k, signature.num_experts) * -(-signature.intermediate_size // narrow)
-    return narrow if programs <= target.sm_count else DECODE_WIDE_BLOCK_N
+    experts, slices = decode_grid(tokens, signature.top_k, signature.num_experts, signature.intermediate_size, narrow)
+    return narrow if experts * slices <= target.sm_count else DECODE_WIDE_BLOCK_N
 
 
 def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, tails: bool = True) -> KernelConfig:

@@ -210,7 +210,7 @@ def route_tile_rows(ks: KernelSet, rows: int) -> int:
     if p.n_group == 1 or p.correction_bias or rows == 1:
         return rows
     positions = pow2_at_least(p.n_group) * pow2_at_least(p.num_experts // p.n_group)
-    return max(rows, min(GROUPED_UNBIASED_MIN_ROWS, -(-GROUPED_UNBIASED_MIN_ELEMENTS // positions)))
+    return max(rows, min(GROUPED_UNBIASED_MIN_ROWS, _cdiv(GROUPED_UNBIASED_MIN_ELEMENTS, positions)))
 
 
 def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
@@ -226,6 +226,12 @@ def decode_block_t(ks: KernelSet, num_tokens: int) -> int:
     """Token rows the decode kernel routes: sized by the batch's bucket (few compiled variants),
     or by the batch where it exceeds the largest bucket."""
     return route_tile_rows(ks, pow2_at_least(min(max(ks.bucket_for(num_tokens), num_tokens), DECODE_MAX_TOKENS)))
+
+
+def decode_grid(num_tokens: int, top_k: int, num_experts: int, intermediate_size: int,
+                block_n: int) -> tuple[int, int]:
+    """The decode kernel's programs: one per expert the batch picks and slice of I."""
+    return min(num_tokens * top_k, num_experts), _cdiv(intermediate_size, block_n)
 
 
 def uses_decode(cfg: KernelConfig, num_tokens: int) -> bool:
@@ -604,7 +610,7 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
     else:
         w13_arg, w2_arg = w13, w2
     pdl = pdl_supported(device)
-    launch(ks.decode, (min(num_tokens * ks.top_k, ks.num_experts), _cdiv(i, cfg.decode_block_n)), None,
+    launch(ks.decode, decode_grid(num_tokens, ks.top_k, ks.num_experts, i, cfg.decode_block_n), None,
            logits, bias, x, w13_arg, w2_arg, work,
            num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
            BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
