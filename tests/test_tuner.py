@@ -148,6 +148,15 @@ def _target(alias: str):
     return lookup_gpu(alias)
 
 
+def _signature(spec: str):
+    """The kernel signature of a shipped spec (specs/<spec>.yaml)."""
+    from moegen.ir import lower
+    from moegen.spec import load_spec
+
+    path = REPO / "specs" / f"{spec}.yaml"
+    return lower(load_spec(path), path).signature
+
+
 SPACE_CASES = [  # (spec, tokens): decode, middle and prefill row blocks of the shipped shapes
     ("mixtral-8x7b", 1), ("mixtral-8x7b", 512), ("qwen3-30b-a3b", 512), ("olmoe-1b-7b", 4096),
     ("deepseek-v3", 64), ("deepseek-v3", 16384),
@@ -162,13 +171,10 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
     configs that group row blocks also try the smaller groups; configs with tail rows also try
     the runs that carry them first; decode sizes also try the decode kernel, and each of its
     configs its staggered GEMM1 walk."""
-    from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
-    from moegen.spec import load_spec
     from moegen.tune import space
 
-    path = REPO / "specs" / f"{spec}.yaml"
-    sig = lower(load_spec(path), path).signature
+    sig = _signature(spec)
     tails_tried = set()
     for gpu_name, has_tma in (("h200", True), ("a100", False)):
         gpu = _target(gpu_name)
@@ -238,13 +244,10 @@ def test_tails_try_gemm2_capped_to_two_programs_per_sm(down_block_n, down_num_wa
     """8-warp GEMM2 tiles with tail rows are also tried capped at 128 registers (two programs per
     SM), where the accumulators leave room: not with 64 tail rows or 256-wide tiles (spills or
     no compile), not with 4 warps (two programs fit already)."""
-    from moegen.ir import lower
     from moegen.plan.configs import default_config
-    from moegen.spec import load_spec
     from moegen.tune import space
 
-    path = REPO / "specs" / "deepseek-v3.yaml"
-    sig, gpu = lower(load_spec(path), path).signature, _target("h200")
+    sig, gpu = _signature("deepseek-v3"), _target("h200")
     base = replace(default_config(sig, gpu, 4096, tails=False), down_block_n=down_block_n,
                    down_num_warps=down_num_warps)
     tail = space.tail_candidates(base, sig, gpu, 4096)
@@ -275,12 +278,9 @@ def _confirming(search_times: dict, per_sample: dict, paired: Optional[dict] = N
 
 def _qwen3_configs(*groups: int):
     """The cost model's Qwen3 config at 512 tokens, then its variants with these row-block groups."""
-    from moegen.ir import lower
     from moegen.plan.configs import default_config
-    from moegen.spec import load_spec
 
-    path = REPO / "specs" / "qwen3-30b-a3b.yaml"
-    default = default_config(lower(load_spec(path), path).signature, _target("h200"), 512)
+    default = default_config(_signature("qwen3-30b-a3b"), _target("h200"), 512)
     return (default, *(replace(default, group_m=g) for g in groups))
 
 
@@ -395,13 +395,10 @@ def test_defaults_take_two_streams_for_little_matrix_work(spec, tokens, gpu_name
     with the decode kernel's fields had its GEMM candidates timed on the decode kernel, and on
     one stream each step's candidates stay valid (tail rows take two streams only in groups of
     1) until the stream step decides; tail rows too are searched after the starts."""
-    from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
-    from moegen.spec import load_spec
     from moegen.tune import space
 
-    path = REPO / "specs" / f"{spec}.yaml"
-    sig, gpu = lower(load_spec(path), path).signature, _target(gpu_name)
+    sig, gpu = _signature(spec), _target(gpu_name)
     default = default_config(sig, gpu, tokens)
     assert default.streams == streams and violation(default, sig, gpu) is None
     starts = space.starting_points(sig, gpu, tokens)
@@ -421,12 +418,9 @@ def test_defaults_take_tail_rows_where_experts_expect_a_block(spec, tokens, gpu_
     """The cost model's default carries 32 tail rows, split, with GEMM2 capped to two programs
     per SM, on Hopper where the experts expect at least 3/4 of a row block of 64 or 128 rows:
     (block_m, tail_m, down_max_registers)."""
-    from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
-    from moegen.spec import load_spec
 
-    path = REPO / "specs" / f"{spec}.yaml"
-    sig, gpu = lower(load_spec(path), path).signature, _target(gpu_name)
+    sig, gpu = _signature(spec), _target(gpu_name)
     default = default_config(sig, gpu, tokens)
     assert (default.block_m, default.tail_m, default.down_max_registers) == tail
     assert default.tail_split == bool(default.tail_m) and violation(default, sig, gpu) is None
@@ -446,11 +440,8 @@ def test_defaults_take_tail_rows_where_experts_expect_a_block(spec, tokens, gpu_
 def test_default_decode_slices_widen_past_one_wave(spec, tokens, columns):
     """The default decode tile takes 64 columns of I where the batch's experts then make at most
     one program per SM, 128 beyond (the tuned one-token choice of every shipped shape)."""
-    from moegen.ir import lower
     from moegen.plan.configs import default_config, violation
-    from moegen.spec import load_spec
 
-    path = REPO / "specs" / f"{spec}.yaml"
-    sig, gpu = lower(load_spec(path), path).signature, _target("h200")
+    sig, gpu = _signature(spec), _target("h200")
     default = default_config(sig, gpu, tokens)
     assert default.decode_block_n == columns and violation(default, sig, gpu) is None
