@@ -16,6 +16,7 @@ from moegen.plan.configs import pow2_at_least
 from moegen.plan.cost_model import FORMULAS, matrix_tflops
 from moegen.plan.offload import OFFLOAD_FORMULAS, OffloadPlan
 from moegen.runtime.align import EXPERT_MASK, LEFT_SHIFT, RANK_SHIFT, RUN_WRAP
+from moegen.runtime.fused import group_tile
 from moegen.render import (DECODE_TEMPLATE, DOT_PRECISION, DOWN_TEMPLATE, GATE_UP_TEMPLATE, ROUTE_ALIGN_TEMPLATE,
                            TORCH_DTYPES, kernel_name, render, template_hashes)
 
@@ -100,14 +101,15 @@ def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]
     routing_args = ", ".join(f"{k}={v!r}" for k, v in asdict(ir.routing).items())
     target = ir.target
     r = ir.routing
+    groups_pow2, group_size_pow2 = group_tile(r)
     route_values = dict(
         header=header, kernel_name=names["route_align"], scoring=r.scoring, top_k=r.top_k,
         top_k_pow2=pow2_at_least(r.top_k),
         num_experts=r.num_experts, num_experts_pow2=pow2_at_least(r.num_experts),
         use_softmax=repr(r.scoring == "softmax"), use_bias=repr(r.correction_bias),
         renormalize=repr(r.renormalize), routed_scaling_factor=repr(float(r.routed_scaling_factor)),
-        n_group=r.n_group, n_group_pow2=pow2_at_least(r.n_group), topk_group=r.topk_group,
-        group_size_pow2=pow2_at_least(r.num_experts // r.n_group),
+        n_group=r.n_group, n_group_pow2=groups_pow2, topk_group=r.topk_group,
+        group_size_pow2=group_size_pow2,
         run_wrap=RUN_WRAP, rank_shift=RANK_SHIFT, left_shift=LEFT_SHIFT, expert_mask=EXPERT_MASK,
     )
     files = {

@@ -202,6 +202,12 @@ GROUPED_UNBIASED_MIN_ROWS = 16
 GROUPED_UNBIASED_MIN_ELEMENTS = 1024
 
 
+def group_tile(routing: RoutingParams) -> tuple[int, int]:
+    """The grouped routing's [groups, experts per group] score tile, each padded to a power of two
+    (the kernels' G_PAD and S_PAD)."""
+    return pow2_at_least(routing.n_group), pow2_at_least(routing.num_experts // routing.n_group)
+
+
 def route_tile_rows(ks: KernelSet, rows: int) -> int:
     """The token rows of a routing tile: `rows`, raised where the routing is group-limited without
     a bias to the fewer of GROUPED_UNBIASED_MIN_ROWS and the rows that make a tile of
@@ -209,8 +215,8 @@ def route_tile_rows(ks: KernelSet, rows: int) -> int:
     p = ks.routing
     if p.n_group == 1 or p.correction_bias or rows == 1:
         return rows
-    positions = pow2_at_least(p.n_group) * pow2_at_least(p.num_experts // p.n_group)
-    return max(rows, min(GROUPED_UNBIASED_MIN_ROWS, _cdiv(GROUPED_UNBIASED_MIN_ELEMENTS, positions)))
+    groups, members = group_tile(p)
+    return max(rows, min(GROUPED_UNBIASED_MIN_ROWS, _cdiv(GROUPED_UNBIASED_MIN_ELEMENTS, groups * members)))
 
 
 def single_route_launch(ks: KernelSet, num_tokens: int) -> dict:
