@@ -285,6 +285,18 @@ def test_decode_kernel_matches_float64_reference(case, stagger_k, models):
         check_close(out, expected, f"{case} decode call {call}")
 
 
+@pytest.mark.parametrize("evict_first", [False, True], ids=["", "l2_evict_first"])
+@pytest.mark.parametrize("case", [Case(spec, t) for spec in SPECS for t in (1, 8, 300, 2000)]
+                         + [Case(spec, 300, "one_expert") for spec in SPECS], ids=str)
+def test_l2_marked_copies_match_float64_reference(case, evict_first, models):
+    """Every kernel's tensor copies with the L2 evict-first mark (their PTX rewritten) and without,
+    on the bucket's config read through descriptors, whatever the tuned configs chose."""
+    from dataclasses import replace
+
+    model = models[case.spec]
+    check_config(case, model, replace(model.pkg.KERNELS.config_for(case.tokens), tma=True, l2_evict_first=evict_first))
+
+
 TAIL_CASES = (
     [Case(spec, t) for spec in SPECS for t in (300, 2000)]
     + [Case(spec, 300, "one_expert") for spec in SPECS]
@@ -321,14 +333,18 @@ def check_row_layout(case: Case, model: Model, **fields) -> None:
     as fields set it, against the float64 reference."""
     from dataclasses import replace
 
+    check_config(case, model, replace(model.pkg.KERNELS.config_for(case.tokens), decode_block_n=0, block_n=64,
+                                      block_k=64, num_stages=3, down_block_n=64, down_block_k=64,
+                                      down_num_stages=3, split_k=1, **fields))
+
+
+def check_config(case: Case, model: Model, config) -> None:
+    """The case's call with config, against the float64 reference."""
     from moegen.runtime.fused import fused_moe
 
-    ks = model.pkg.KERNELS
-    config = replace(ks.config_for(case.tokens), decode_block_n=0, block_n=64, block_k=64, num_stages=3,
-                     down_block_n=64, down_block_k=64, down_num_stages=3, split_k=1, **fields)
     x, logits, bias, _ = case_inputs(case, model)
     poison_allocator()
-    out = fused_moe(ks, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
+    out = fused_moe(model.pkg.KERNELS, x, logits, model.w13, model.w2, correction_bias=bias, config=config)
     torch.cuda.synchronize()
     expected = ref.moe_reference(x, logits, model.w13, model.w2, model.routing, model.m.activation, bias)
     check_close(out, expected, f"{case} {config.key}")

@@ -445,3 +445,31 @@ def test_default_decode_slices_widen_past_one_wave(spec, tokens, columns):
     sig, gpu = _signature(spec), _target("h200")
     default = default_config(sig, gpu, tokens)
     assert default.decode_block_n == columns and violation(default, sig, gpu) is None
+
+
+@pytest.mark.parametrize("spec,tokens,gpu_name,marked", [
+    ("qwen3-30b-a3b", 2048, "h200", True),    # 128 rows per expert: one 128-row block reads its weights
+    ("qwen3-30b-a3b", 4096, "h200", False),   # 256: later blocks re-read them (measured 2-4% slower)
+    ("olmoe-1b-7b", 1024, "h200", True),
+    ("olmoe-1b-7b", 2048, "h200", False),
+    ("mixtral-8x7b", 512, "h200", True),
+    ("mixtral-8x7b", 1024, "h200", False),
+    ("deepseek-v3", 1, "h200", True),         # the decode kernel's copies too
+    ("mixtral-8x7b", 8, "h200", False),       # no tensor descriptors by default: nothing to mark
+    ("qwen3-30b-a3b", 512, "a100", False),    # no tensor descriptors before Hopper
+])
+def test_defaults_mark_tensor_copies_evict_first_where_experts_expect_a_block(spec, tokens, gpu_name, marked):
+    """The cost model's default marks its tensor copies L2 evict-first where the experts expect at
+    most 128 rows each; the search tries the other setting on its best config, and a config
+    without descriptors carries no mark (turning them off clears it)."""
+    from moegen.plan.configs import default_config, violation
+    from moegen.tune import space
+
+    sig, gpu = _signature(spec), _target(gpu_name)
+    default = default_config(sig, gpu, tokens)
+    assert default.l2_evict_first == marked and violation(default, sig, gpu) is None
+    assert space.evict_candidates(default, sig, gpu) == (
+        [replace(default, l2_evict_first=not marked)] if default.tma else [])
+    assert all(c.tma or not c.l2_evict_first for c in space.tma_candidates(default, sig, gpu))
+    assert violation(replace(default, tma=False, l2_evict_first=True), sig, gpu) == \
+        "l2_evict_first marks the tensor-descriptor copies: it needs tma"

@@ -90,8 +90,8 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     import torch
 
     from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, dependent_launch,
-                                      down_launch, multi_route_launch, pdl_supported, single_route_launch,
-                                      single_route_max_tokens, tma_possible, uses_decode)
+                                      down_launch, l2_evict_first, multi_route_launch, pdl_supported,
+                                      single_route_launch, single_route_max_tokens, tma_possible, uses_decode)
 
     route, count, place, gate_up, down, decode = _mock_launch_args(ks)
     pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
@@ -115,16 +115,18 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                                                   TAILS_FIRST=cfg.tails_first, **place_launch, **as_dependent,
                                                   grid=(1,)))
         use_tma = cfg.tma and tma_possible(ks)
+        evict_first = l2_evict_first(ks, cfg, use_tma)
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
         compiled.append(ks.gate_up.warmup(
             ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
-            USE_TMA=use_tma, **as_dependent, num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,)))
+            USE_TMA=use_tma, L2_EVICT_FIRST=evict_first, **as_dependent, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, grid=(1,)))
         compiled.append(ks.down_reduce.warmup(
             inter, ks.dtype, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m,
-            TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma, **as_dependent,
-            **down_launch(cfg), grid=(1, 1)))
+            TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
+            **as_dependent, **down_launch(cfg), grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
             last = DECODE_MAX_TOKENS if bucket == ks.buckets[-1] else min(bucket, DECODE_MAX_TOKENS)
@@ -136,7 +138,8 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                 compiled.append(ks.decode.warmup(
                     logits_dtype, torch.float32, ks.dtype, w13, w2, *decode,
                     BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-                    BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, USE_PDL=pdl,
+                    BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
+                    L2_EVICT_FIRST=evict_first, USE_PDL=pdl,
                     num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, grid=(1, 1)))
             compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
                                                     num_warps=4, **as_dependent, grid=(1,)))

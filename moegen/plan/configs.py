@@ -52,6 +52,12 @@ DEFAULT_TAIL_ROWS = 32
 # two streams where the call's matrix work takes under this long at the target's rate, and up to
 # 6.3% slower where it takes longer (docs/PERFORMANCE.md).
 TWO_STREAMS_MAX_COMPUTE_US = 600.0
+# Tensor copies marked L2 evict-first (l2_hints) where the experts expect at most this many rows
+# each: an expert's weights are then read by one row block, or two running side by side, and the
+# weights leaving L2 first keeps what programs share (on the H200 2-7% faster from 64 to 2048
+# tokens for many small experts, level for few large ones); beyond it an expert's later row
+# blocks re-read its weights from L2, and the mark cost 2-4% (docs/PERFORMANCE.md).
+EVICT_FIRST_MAX_ROWS = 128
 
 
 def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
@@ -101,6 +107,8 @@ def malformed(c: KernelConfig) -> str | None:
         return "tails_first orders the runs with tail rows: it needs tail_m"
     if c.decode_stagger_k and not c.decode_block_n:
         return "decode_stagger_k staggers the decode kernel's walk: it needs decode_block_n"
+    if c.l2_evict_first and not c.tma:
+        return "l2_evict_first marks the tensor-descriptor copies: it needs tma"
     if c.group_m not in ROW_GROUPS:
         return f"group_m {c.group_m} not one of {ROW_GROUPS} (groups divide the runs' rank wrap)"
     if c.streams not in (1, 2):
@@ -191,6 +199,11 @@ def decode_slice_columns(signature: KernelSignature, target: GpuTarget, tokens: 
     return narrow if experts * slices <= target.sm_count else DECODE_WIDE_BLOCK_N
 
 
+def evict_first_pays_off(signature: KernelSignature, tokens: int) -> bool:
+    """Whether the experts expect at most EVICT_FIRST_MAX_ROWS rows each."""
+    return tokens * signature.top_k <= EVICT_FIRST_MAX_ROWS * signature.num_experts
+
+
 def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, tails: bool = True) -> KernelConfig:
     """Row blocks just cover the expected tokens per expert; memory-bound (few tokens) shapes
     get narrow N tiles and deep K tiles so enough CTAs stream the weights, compute-bound ones
@@ -232,4 +245,6 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, t
                          down_max_registers=two_programs_register_cap(config.down_num_warps))
         if violation(tailed, signature, target) is None:
             config = tailed
+    if config.tma and evict_first_pays_off(signature, tokens):
+        config = replace(config, l2_evict_first=True)
     return config

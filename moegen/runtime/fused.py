@@ -84,6 +84,9 @@ class KernelConfig:
     # 2: the row blocks in two halves on two CUDA streams, each half GEMM1 then GEMM2, so that
     # one half's GEMM2 runs while the other's GEMM1 drains.
     streams: int = 1
+    # With tma: every kernel's tensor-descriptor copies marked L2 evict-first (l2_hints), so that
+    # the streamed weights leave L2 before the rows several programs share.
+    l2_evict_first: bool = False
 
     @property
     def key(self) -> str:
@@ -97,7 +100,7 @@ class KernelConfig:
                 + (f"_t{self.tail_m}" if self.tail_m else "") + ("s" if self.tail_split else "")
                 + ("f" if self.tails_first else "") + ("_h" if self.half_blocks else "")
                 + (f"_r{self.down_max_registers}" if self.down_max_registers else "")
-                + ("_2s" if self.streams == 2 else "") + decode)
+                + ("_2s" if self.streams == 2 else "") + ("_e" if self.l2_evict_first else "") + decode)
 
 
 @dataclass(frozen=True)
@@ -329,7 +332,7 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
     inter = torch.empty((aligned.sorted_slots.numel(), ks.intermediate_size), dtype=ks.dtype,
                         device=hidden_states.device)
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
-    weight_args = _weight_args(cfg, w13, w2, inter)
+    weight_args = _weight_args(ks, cfg, w13, w2, inter)
     run = functools.partial(_gemms, ks, cfg, hidden_states, weights, aligned, weight_args, inter, out)
     num_blocks = aligned.max_padded // cfg.block_m
     if cfg.streams == 1:
@@ -407,14 +410,21 @@ class _WeightArgs:
     w13_strides: tuple[int, int]
     w2_strides: tuple[int, int]
     tma: bool
+    evict_first: bool
 
 
-def _weight_args(cfg: KernelConfig, w13, w2, inter) -> _WeightArgs:
+def _weight_args(ks: KernelSet, cfg: KernelConfig, w13, w2, inter) -> _WeightArgs:
     if cfg.tma and tma_compatible(w13, w2, inter):  # inter's halves start at whole rows: aligned too
         return _WeightArgs(_descriptor(w13, [1, cfg.block_n, cfg.block_k]),
                            _descriptor(w2, [1, cfg.down_block_n, cfg.down_block_k]), w13.stride()[:2],
-                           w2.stride()[:2], True)
-    return _WeightArgs(w13, w2, w13.stride()[:2], w2.stride()[:2], False)
+                           w2.stride()[:2], True, l2_evict_first(ks, cfg, True))
+    return _WeightArgs(w13, w2, w13.stride()[:2], w2.stride()[:2], False, False)
+
+
+def l2_evict_first(ks: KernelSet, cfg: KernelConfig, use_tma: bool) -> bool:
+    """Whether the kernels mark their tensor-descriptor copies L2 evict-first: a rewrite of their
+    PTX (l2_hints), so never in the interpreter. The build's precompile asks the same."""
+    return cfg.l2_evict_first and use_tma and not ks.interpreted
 
 
 def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, wargs: _WeightArgs,
@@ -442,7 +452,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
            hidden_states.stride(0), *wargs.w13_strides, inter.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
            TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=wargs.tma,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
+           L2_EVICT_FIRST=wargs.evict_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
     if zeroed is not None:
         zeroed.record(stream)
     if wait_for is not None:
@@ -454,7 +464,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
            inter.stride(0), *wargs.w2_strides, out.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
            SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
-           USE_TMA=wargs.tma, **dependent, **down_launch(cfg))
+           USE_TMA=wargs.tma, L2_EVICT_FIRST=wargs.evict_first, **dependent, **down_launch(cfg))
 
 
 _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -620,7 +630,8 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
            logits, bias, x, w13_arg, w2_arg, work,
            num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
            BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-           BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, USE_PDL=pdl,
+           BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
+           L2_EVICT_FIRST=l2_evict_first(ks, cfg, use_tma), USE_PDL=pdl,
            num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
     launch(ks.decode_finish, (_cdiv(out.numel(), DECODE_FINISH_BLOCK),), None,
            work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))

@@ -336,6 +336,11 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 best, best_time = search.improve(best, best_time, stagger)
                 tried += len(decode) + len(stagger)
                 progress("decode kernel")
+            evict = space.evict_candidates(best, ir.signature, gpu)
+            if evict:
+                best, best_time = search.improve(best, best_time, evict)
+                tried += len(evict)
+                progress("L2 mark")
             # A forced re-tune keeps the entry it would replace where that is faster: one routing
             # sample and the clocks of the moment can crown a config slower than the entry. After an
             # upgrade the entry tuned for the previous templates or Triton stands in for it.
