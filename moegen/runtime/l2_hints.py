@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 MARKER = "moegen: tensor copies L2 evict_first"
+_MARKER_COMMENT = tl.constexpr(f"// {MARKER}")  # the kernels' inline assembly: MARKER, once
 POLICY_REGISTER = "%rd_l2_evict_first"
 _COPY = re.compile(r"^(\s*(?:@!?%p\d+\s+)?cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global"
                    r"\.mbarrier::complete_tx::bytes)(\s+\[.*\]);\s*$")
@@ -28,8 +29,7 @@ _DECLARATION = re.compile(r"^\s*(\.reg\s|\.shared\s|\.local\s|//|$)")
 @triton.jit
 def mark_tma_copies_evict_first():
     """Leaves MARKER in the kernel's PTX (a comment: no instruction)."""
-    tl.inline_asm_elementwise("// moegen: tensor copies L2 evict_first", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(_MARKER_COMMENT, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def evict_first_copies(ptx: str) -> str:
