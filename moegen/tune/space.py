@@ -71,7 +71,8 @@ def tma_candidates(base: KernelConfig, signature: KernelSignature, target) -> li
         return []
     tma = replace(base, tma=True)
     deeper = replace(tma, num_stages=tma.num_stages + 1, down_num_stages=tma.down_num_stages + 1)
-    other = replace(base, tma=not base.tma, l2_evict_first=base.l2_evict_first and not base.tma)
+    # The mark needs descriptors; turned on later by the L2-mark step where it pays.
+    other = replace(base, tma=not base.tma, l2_evict_first=False)
     return [c for c in _keep([other, deeper], signature, target) if c != base]
 
 
