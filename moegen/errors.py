@@ -30,6 +30,19 @@ class SpecError(MoegenError):
         return f"{where}:{field} {self.problem}; {self.fix}"
 
 
+class SpecProblems(SpecError):
+    """Every problem of one spec file, in document order. Its fields (file, field, line, ...) are
+    the first problem's; the message is one line per problem."""
+
+    def __init__(self, problems: list[SpecError]):
+        self.problems = tuple(problems)
+        first = self.problems[0]
+        super().__init__(first.file, first.field, first.problem, first.fix, first.line, first.col)
+
+    def render(self) -> str:
+        return "\n".join(problem.render() for problem in self.problems)
+
+
 class SettingError(MoegenError):
     """A MOEGEN_* environment variable moegen cannot use: NAME='value': what is wrong; how to fix it."""
 

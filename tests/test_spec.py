@@ -177,11 +177,39 @@ def test_message_format():
     assert str(info.value) == "m.yaml:3:3: model.hiden_size: unknown key 'hiden_size'; did you mean 'hidden_size'?"
 
 
-def test_first_problem_in_document_order():
-    text = BASE + "target:\n  gpu: nope\noffload:\n  policy: nope\n"
+def test_every_problem_in_document_order():
+    """One pass reports every readable field's problem, then the cross-field rules; the error's own
+    fields are the first problem's."""
+    text = (replace("hidden_size: 64", "hiden_size: 64").replace("top_k: 2", "top_k: 1.5")
+            + "target:\n  gpu: nope\nworkload:\n  token_buckets: [0, 1, true]\noffload:\n  policy: nope\n")
     with pytest.raises(SpecError) as info:
         load_spec_text(text, "o.yaml")
-    assert info.value.field == "target.gpu"
+    problems = [(p.field, p.line) for p in info.value.problems]
+    assert problems == [("model.hiden_size", 3), ("model.top_k", 6), ("target.gpu", 8),
+                        ("workload.token_buckets[0]", 10), ("workload.token_buckets[2]", 10),
+                        ("offload.policy", 12)]
+    assert (info.value.field, info.value.line) == ("model.hiden_size", 3)
+    assert str(info.value).splitlines() == [p.render() for p in info.value.problems]
+    assert "missing required key 'hidden_size'" not in str(info.value)  # the misspelt key's fix names it
+
+
+def test_cross_field_rules_report_each_independent_problem():
+    text = with_model("n_group: 3", "num_shared_experts: 1") + "target:\n  gpu: l4\n  expert_memory_gib: 40\n"
+    with pytest.raises(SpecError) as info:
+        load_spec_text(text.replace("top_k: 2", "top_k: 9"), "x.yaml")
+    assert [p.field for p in info.value.problems] == ["model.top_k", "model.n_group", "model.shared_intermediate_size",
+                                                      "target.expert_memory_gib"]
+
+
+def test_validate_prints_every_problem(tmp_path, capsys):
+    from moegen.cli import main
+
+    path = tmp_path / "two.yaml"
+    path.write_text(replace("top_k: 2", "top_k: 0") + "offload:\n  policy: nope\n")
+    assert main(["validate", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["model.top_k", "offload.policy"]
+    assert all(line.startswith(f"{path}:") for line in lines)
 
 
 def test_missing_file(tmp_path):

@@ -1,12 +1,14 @@
-"""Spec loader: YAML text -> the frozen dataclasses of schema.py, or the first problem as a SpecError.
+"""Spec loader: YAML text -> the frozen dataclasses of schema.py, or every problem as SpecProblems.
 
 The walk over the schema is generic (dataclasses.fields + type hints): a new field in schema.py is
 parsed and type-checked with no change here; only value bounds and cross-field rules live in this
 file. Nothing from the spec is evaluated: the YAML is composed into plain nodes with the safe
 resolver, and only untagged scalars, lists and mappings are accepted.
 
-Problems are reported in document order (first one wins), then the cross-field rules in a fixed
-order, each as FILE:LINE:COL: field.path: what is wrong; how to fix it.
+Problems are collected in document order (a field with a problem is skipped and the walk goes on),
+then, where every field was readable, the cross-field rules in a fixed order (of a chain of
+dependent rules, the first that fails); each as FILE:LINE:COL: field.path: what is wrong; how to fix it. A YAML syntax error stops
+the reading at once: nothing after it can be trusted.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from moegen import target as gpus
-from moegen.errors import SpecError
+from moegen.errors import SpecError, SpecProblems
 from moegen.spec import schema
 from moegen.spec.schema import Spec
 
@@ -157,11 +159,18 @@ def load_spec(path) -> Spec:
 
 
 def load_spec_text(text: str, filename: str = "<string>") -> Spec:
-    """Parse and validate spec YAML text; filename is only used in messages."""
+    """Parse and validate spec YAML text; filename is only used in messages. Raises SpecProblems
+    with every problem found."""
     root = _compose(text, filename)
     walker = _Walker(filename)
-    spec = walker.build(Spec, root, "")
-    walker.cross_check(spec)
+    try:
+        spec = walker.build(Spec, root, "")
+    except _Skipped:
+        spec = None
+    if spec is not None:
+        walker.cross_check(spec)
+    if walker.problems:
+        raise SpecProblems(walker.problems)
     return spec
 
 
@@ -203,21 +212,33 @@ def _compose(text: str, filename: str) -> MappingNode:
 # The generic walk
 
 
+class _Skipped(Exception):
+    """A value with a problem (recorded): the field is skipped and the walk goes on."""
+
+
 class _Walker:
-    """Builds schema dataclasses from nodes; remembers each field's position for later rules."""
+    """Builds schema dataclasses from nodes, recording each problem and going on with the next
+    field; remembers each field's position for later rules."""
 
     def __init__(self, filename: str):
         self.file = filename
+        self.problems: list[SpecError] = []
         self.positions: dict[str, tuple[int, int]] = {"": (1, 1)}  # path -> value's (line, col)
         self.key_positions: dict[str, tuple[int, int]] = {"": (1, 1)}  # path -> its key's (line, col)
         self._constructor = _SpecConstructor()
 
-    def fail(self, path: str, where: Union[Node, tuple[int, int]], problem: str, fix: str) -> NoReturn:
+    def note(self, path: str, where: Union[Node, tuple[int, int]], problem: str, fix: str) -> None:
         line, col = where if isinstance(where, tuple) else _pos(where)
-        raise SpecError(self.file, path, problem, fix, line, col)
+        self.problems.append(SpecError(self.file, path, problem, fix, line, col))
+
+    def fail(self, path: str, where: Union[Node, tuple[int, int]], problem: str, fix: str) -> NoReturn:
+        """Record the problem and skip the value it is in."""
+        self.note(path, where, problem, fix)
+        raise _Skipped
 
     def build(self, cls: type, node: Node, path: str) -> Any:
-        """One dataclass from a mapping node: keys in document order, then missing keys."""
+        """One dataclass from a mapping node: keys in document order, then missing keys. Skipped
+        (after recording what is wrong) where any of its fields has a problem."""
         if _is_null(node):  # an empty section (`offload:` with nothing under it) means defaults
             node = MappingNode(_MAP_TAG, [], node.start_mark, node.end_mark)
         if not isinstance(node, MappingNode) or node.tag != _MAP_TAG:
@@ -227,29 +248,42 @@ class _Walker:
         hints = typing.get_type_hints(cls)
         values: dict[str, Any] = {}
         first_line: dict[str, int] = {}
+        problems_before = len(self.problems)
         for key_node, value_node in node.value:
-            if not isinstance(key_node, ScalarNode):
-                self.fail(path, key_node, f"a key must be a plain name, got {_describe(key_node)}",
-                          "write keys as plain words followed by ':'")
-            key, sub = key_node.value, _join(path, key_node.value)
-            if key in first_line:
-                self.fail(_join(path, _short(key)), key_node,
-                          f"duplicate key '{_short(key)}' (first set on line {first_line[key]})",
-                          "keep only one of them")
-            first_line[key] = _pos(key_node)[0]
-            self.key_positions[sub] = _pos(key_node)
-            if key not in fields:
-                self.fail(_join(path, _short(key)), key_node, f"unknown key '{_short(key)}'",
-                          _unknown_key_fix(key, cls, hints, path))
-            self.positions[sub] = _pos(value_node)
-            values[key] = self.convert(hints[key], value_node, sub, fields[key].default)
+            try:
+                self._field(cls, path, fields, hints, key_node, value_node, first_line, values)
+            except _Skipped:
+                pass
         for f in fields.values():
-            if f.name not in values and _is_required(f):
+            # A misspelt key already names the missing one in its fix ("did you mean ...?").
+            misspelt = any(_close_field(key, cls) == f.name for key in first_line if key not in fields)
+            if f.name not in first_line and _is_required(f) and not misspelt:
                 where = f"under `{path}:`" if path else "at the top level"
-                self.fail(_join(path, f.name), self.key_positions.get(path, _pos(node)),
+                self.note(_join(path, f.name), self.key_positions.get(path, _pos(node)),
                           f"missing required key {f.name!r}",
                           f"add `{f.name}: <{_expected(hints[f.name])}>` {where}")
+        if len(self.problems) > problems_before:
+            raise _Skipped
         return cls(**values)
+
+    def _field(self, cls: type, path: str, fields: dict, hints: dict, key_node: Node, value_node: Node,
+               first_line: dict[str, int], values: dict[str, Any]) -> None:
+        """One `key: value` of a mapping into values (first_line: where each key was first set)."""
+        if not isinstance(key_node, ScalarNode):
+            self.fail(path, key_node, f"a key must be a plain name, got {_describe(key_node)}",
+                      "write keys as plain words followed by ':'")
+        key, sub = key_node.value, _join(path, key_node.value)
+        if key in first_line:
+            self.fail(_join(path, _short(key)), key_node,
+                      f"duplicate key '{_short(key)}' (first set on line {first_line[key]})",
+                      "keep only one of them")
+        first_line[key] = _pos(key_node)[0]
+        self.key_positions[sub] = _pos(key_node)
+        if key not in fields:
+            self.fail(_join(path, _short(key)), key_node, f"unknown key '{_short(key)}'",
+                      _unknown_key_fix(key, cls, hints, path))
+        self.positions[sub] = _pos(value_node)
+        values[key] = self.convert(hints[key], value_node, sub, fields[key].default)
 
     def convert(self, hint: Any, node: Node, path: str, default: Any = dataclasses.MISSING) -> Any:
         """A value of the schema type `hint`, then the path's bound, choice and field checks."""
@@ -264,7 +298,14 @@ class _Walker:
             if not isinstance(node, SequenceNode) or node.tag != _SEQ_TAG:
                 self.fail(path, node, f"expected {_expected(hint)}, got {_describe(node)}",
                           "write a list such as [1, 4, 16]")
-            items = [self.convert(args[0], item, f"{path}[{i}]") for i, item in enumerate(node.value)]
+            problems_before, items = len(self.problems), []
+            for i, item in enumerate(node.value):  # every item's problem, not only the first
+                try:
+                    items.append(self.convert(args[0], item, f"{path}[{i}]"))
+                except _Skipped:
+                    pass
+            if len(self.problems) > problems_before:
+                raise _Skipped
             value = tuple(items) if origin is tuple else items
         elif hint in (bool, int, float, str):
             value = self.scalar(hint, node, path, default)
@@ -317,12 +358,13 @@ class _Walker:
                 self.fail(item_path, where, issue.problem, issue.fix)
 
     def cross_check(self, spec: Spec) -> None:
-        """Rules across fields, in a fixed order; each points at the field that must change."""
-        for rule in _CROSS_RULES:
-            found = rule(spec)
+        """Rules across fields, in a fixed order; each points at the field that must change. In
+        a chain of rules only the first that fails is reported: the later ones assume it holds."""
+        for chain in _CROSS_RULES:
+            found = next(filter(None, (rule(spec) for rule in chain)), None)
             if found is not None:
                 path, problem, fix = found
-                self.fail(path, self.position(path), problem, fix)
+                self.note(path, self.position(path), problem, fix)
 
     def position(self, path: str) -> tuple[int, int]:
         """Where a field's value is written; for a defaulted field, the key of its section."""
@@ -412,11 +454,17 @@ def _type_fix(hint: type, kind: str, node: Node, default: Any) -> str:
     return f"write {_expected(hint)} (YAML tags such as !!x are not supported)"
 
 
+def _close_field(key: str, cls: type) -> Optional[str]:
+    """The field of cls that an unknown key is likely a misspelling of."""
+    close = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(cls)], n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _unknown_key_fix(key: str, cls: type, hints: dict[str, Any], path: str) -> str:
     names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    close = _close_field(key, cls)
     if close:
-        return f"did you mean {close[0]!r}?"
+        return f"did you mean {close!r}?"
     for name in names:  # a key of a sub-section written one level too high, e.g. top-level top_k
         sub = hints[name]
         if dataclasses.is_dataclass(sub) and key in {f.name for f in dataclasses.fields(sub)}:
@@ -519,7 +567,7 @@ def _topk_group_fits(spec: Spec):
 def _enough_eligible_experts(spec: Spec):
     m = spec.model
     per_group = m.num_experts // m.n_group
-    if m.topk_group * per_group < m.top_k:
+    if m.topk_group * per_group < m.top_k <= m.num_experts:  # a top_k over num_experts: _top_k_fits
         need = -(-m.top_k // per_group)
         return ("model.topk_group",
                 f"only topk_group * num_experts / n_group = {m.topk_group * per_group} experts are "
@@ -568,12 +616,8 @@ def expert_memory_shortfall(spec: Spec):
 
 
 _CROSS_RULES = (
-    _top_k_fits,
-    _groups_divide_experts,
-    _topk_group_fits,
-    _enough_eligible_experts,
-    _bias_groups_have_two,
-    _shared_experts_sized,
-    _expert_memory_fits,
-    expert_memory_shortfall,
+    (_top_k_fits,),
+    (_groups_divide_experts, _topk_group_fits, _enough_eligible_experts, _bias_groups_have_two),
+    (_shared_experts_sized,),
+    (_expert_memory_fits, expert_memory_shortfall),
 )
