@@ -199,10 +199,49 @@ def test_a_package_this_moegen_cannot_run_says_rebuild(tmp_path, damage, needle)
     cli.main(["build", str(TINY), "-o", str(tmp_path / "generated")])
     damage(tmp_path / "generated" / "tiny")
     code = "import generated.tiny"
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert result.returncode == 1 and "PackageError" in result.stderr
-    assert needle in result.stderr and f"-o {tmp_path / 'generated'}" in result.stderr, result.stderr
+    assert needle in result.stderr, result.stderr
+    command = result.stderr.split("`")[-2]
+    if "no readable manifest.json" in needle:  # the spec is not known without the manifest
+        assert command == "moegen build SPEC -o generated"
+        return
+    # The printed command works from where the import ran, and renews the package.
+    assert command == f"moegen build {TINY} -o generated", command
+    assert cli_in(tmp_path, command.split()[1:]) == 0
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def cli_in(folder: Path, argv: list[str]) -> int:
+    """moegen's CLI run with `folder` as the current folder."""
+    here = Path.cwd()
+    os.chdir(folder)
+    try:
+        return cli.main(argv)
+    finally:
+        os.chdir(here)
+
+
+def test_the_rebuild_command_names_the_spec_relative_to_where_it_is_run(tmp_path, monkeypatch):
+    """Built from a checkout's root with relative paths, a stale package imported from another
+    folder prints a command that works from there."""
+    from moegen.package.loader import rebuild_command
+
+    (tmp_path / "repo" / "specs").mkdir(parents=True)
+    (tmp_path / "repo" / "specs" / "tiny.yaml").write_text(TINY.read_text())
+    assert cli_in(tmp_path / "repo", ["build", "specs/tiny.yaml"]) == 0
+    package = tmp_path / "repo" / "generated" / "tiny"
+    manifest = json.loads((package / "manifest.json").read_text())
+    assert manifest["spec_path"] == "../../specs/tiny.yaml"
+    monkeypatch.chdir(tmp_path / "repo")
+    assert rebuild_command(package, manifest) == "`moegen build specs/tiny.yaml -o generated`"
+    monkeypatch.chdir(tmp_path / "repo" / "specs")
+    assert rebuild_command(package, manifest) == f"`moegen build tiny.yaml -o {tmp_path / 'repo' / 'generated'}`"
+    (tmp_path / "repo" / "specs" / "tiny.yaml").unlink()
+    assert rebuild_command(package, manifest) == (f"`moegen build SPEC -o {tmp_path / 'repo' / 'generated'}` with "
+                                                  "the spec it was built from (tiny.yaml)")
 
 
 _CPU_CALL = """

@@ -1,6 +1,7 @@
 """Package: the build pipeline's last stages (render sources, write the package atomically)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from moegen import knobs
@@ -50,8 +51,11 @@ def build(spec_path, out_dir="generated") -> tuple[Path, bool]:
     spec = load_spec(spec_path)
     ir = lower(spec, spec_path)
     build_plan = plan(ir, spec_path=str(spec_path))
-    files: dict = render_sources(build_plan, tool_versions())
     folder = Path(out_dir) / spec.package_name
+    # Relative to the package: the rebuild command a stale package prints finds the spec from
+    # wherever it is imported, and the bytes do not depend on the folder the build ran in.
+    spec_from_package = Path(os.path.relpath(Path(spec_path).resolve(), folder.resolve())).as_posix()
+    files: dict = render_sources(build_plan, tool_versions(), spec_from_package)
     check_destination(folder)  # before precompiling, which takes a while
     if _should_precompile(ir.target):
         files.update(precompiled_sources(spec.package_name, files))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,15 +21,36 @@ def checked_manifest(folder) -> dict:
         built = dict(manifest["templates"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise PackageError(f"{folder}: no readable manifest.json ({error}); rebuild the package with "
-                           f"`moegen build SPEC -o {folder.parent}`") from None
+                           f"`moegen build SPEC -o {_shown(folder.parent)}`") from None
     current = template_hashes()
     changed = sorted(name for name in built.keys() | current.keys() if built.get(name) != current.get(name))
-    rebuild = f"rebuild it: `moegen build {manifest.get('spec_file', 'SPEC')} -o {folder.parent}`"
+    rebuild = "rebuild it: " + rebuild_command(folder, manifest)
     if changed:
         raise PackageError(f"{folder}: built from templates other than this moegen's ({', '.join(changed)}); "
                            + rebuild)
     _check_contents(folder, manifest, rebuild)
     return manifest
+
+
+def _shown(path: Path) -> str:
+    """A path as a command run here takes it: relative below the current folder, else absolute."""
+    path = Path(os.path.abspath(path))
+    try:
+        return path.relative_to(Path.cwd()).as_posix() or "."
+    except ValueError:
+        return str(path)
+
+
+def rebuild_command(folder: Path, manifest: dict) -> str:
+    """The `moegen build` command that renews the package in `folder`, runnable from here; the spec
+    as the manifest records it (relative to the package), or SPEC where it is no longer there."""
+    recorded = manifest.get("spec_path")
+    spec = Path(os.path.normpath(folder / recorded)) if isinstance(recorded, str) else None
+    spec_arg = _shown(spec) if spec is not None and spec.is_file() else "SPEC"
+    command = f"`moegen build {spec_arg} -o {_shown(folder.parent)}`"
+    if spec_arg == "SPEC":
+        command += f" with the spec it was built from ({manifest.get('spec_file', 'not recorded')})"
+    return command
 
 
 def content_hash(content: dict) -> str:

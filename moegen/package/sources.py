@@ -34,14 +34,17 @@ def _config_literal(config) -> str:
     return f"KernelConfig({fields})"
 
 
-def manifest(build: BuildPlan, versions: dict[str, str], files: dict[str, str]) -> dict:
+def manifest(build: BuildPlan, versions: dict[str, str], files: dict[str, str],
+             spec_path: str | None = None) -> dict:
     """What the package was built from, and the sha256 of every other file it was built with:
-    the import checks both (moegen.package.loader.checked_manifest)."""
+    the import checks both (moegen.package.loader.checked_manifest). spec_path: the spec file
+    relative to the package folder, for the rebuild command a stale package prints."""
     ir = build.ir
     content = {
         "generator": "moegen",
         "versions": versions,
         "spec_file": ir.spec_file,
+        "spec_path": spec_path,
         "spec_hash": ir.spec_hash,
         "spec": ir.spec.to_dict(),
         "signature": asdict(ir.signature),
@@ -87,7 +90,8 @@ def offload_summary(p: OffloadPlan) -> list[tuple[str, str]]:
     ]
 
 
-def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]:
+def render_sources(build: BuildPlan, versions: dict[str, str], spec_path: str | None = None) -> dict[str, str]:
+    """spec_path: the spec file relative to the package's folder (recorded in the manifest)."""
     ir = build.ir
     sig = ir.signature
     header = f"{GENERATED_MARK} {versions['moegen']} from {ir.spec_file}: do not edit."
@@ -147,5 +151,5 @@ def render_sources(build: BuildPlan, versions: dict[str, str]) -> dict[str, str]
         ),
         "plan.json": json.dumps(build.offload.to_json(), indent=2, sort_keys=True) + "\n",
     }
-    files["manifest.json"] = json.dumps(manifest(build, versions, files), indent=2, sort_keys=True) + "\n"
+    files["manifest.json"] = json.dumps(manifest(build, versions, files, spec_path), indent=2, sort_keys=True) + "\n"
     return files
