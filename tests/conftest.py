@@ -19,6 +19,17 @@ import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = REPO_ROOT.parent / "shared"
+TRACES_DIR = SHARED_DIR / "traces"
+
+
+def shared_trace(name: str) -> Path:
+    """The path of ../shared/traces/<name>.jsonl.gz, or a skip that says what the folder is."""
+    path = TRACES_DIR / f"{name}.jsonl.gz"
+    if not path.is_file():
+        pytest.skip(f"needs {path}: real routing traces of Mixtral-8x7B and DeepSeek-V2-Lite (moegen-trace "
+                    "format), kept in ../shared/traces beside the checkout, not in the repo (README, 'Routing "
+                    "traces')")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ from moegen.ir import lower
 from moegen.plan.offload import plan_offload
 from moegen.spec import load_spec
 
+from conftest import shared_trace
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -106,15 +108,11 @@ def test_plan_cli_prints_json(tmp_path):
     assert plan["offloaded"] is True and len(plan["slots_per_layer"]) == 58
 
 
-TRACES = REPO.parent / "shared" / "traces"
-
-
-@pytest.mark.skipif(not (TRACES / "deepseek-v2-lite-intent.jsonl.gz").exists(), reason="../shared/traces absent")
 def test_plan_from_a_trace_profiles_pins_and_simulates(tmp_path):
     from moegen.plan.offload import plan_for_trace, trace_popularity
     from moegen.offload.trace import load_trace
 
-    trace_path = TRACES / "deepseek-v2-lite-intent.jsonl.gz"
+    trace_path = shared_trace("deepseek-v2-lite-intent")
     ir = _ir(tmp_path, "deepseek-v2-lite", **{"expert_memory_gib: 100": "expert_memory_gib: 8",
                                               "policy: lru": "policy: pinned_lru"})
     p = plan_for_trace(ir, trace_path)
@@ -134,8 +132,6 @@ def test_plan_rejects_a_trace_of_another_model(tmp_path):
     from moegen.offload.trace import TraceError
     from moegen.plan.offload import plan_for_trace
 
-    trace_path = TRACES / "mixtral-8x7b-gsm8k.jsonl.gz"
-    if not trace_path.exists():
-        pytest.skip("../shared/traces absent")
+    trace_path = shared_trace("mixtral-8x7b-gsm8k")
     with pytest.raises(TraceError, match="top-2 of 8 experts"):
         plan_for_trace(_ir(tmp_path, "deepseek-v2-lite"), trace_path)

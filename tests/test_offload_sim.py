@@ -25,7 +25,8 @@ from moegen.offload.simulate import PRESETS, LinkModel, decode_layer_ms, expert_
 from moegen.offload.simulate_cli import parse_slots
 from moegen.offload.trace import TraceError, load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+from conftest import TRACES_DIR, shared_trace
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_SPEC = REPO / "specs" / "tiny.yaml"  # E=6, top-2, 2 layers
 BEST_ONLINE = "neighbors"
@@ -33,11 +34,7 @@ BEST_ONLINE = "neighbors"
 LINK = LinkModel(expert_bytes=3 * 2048 * 1408 * 2, layer_ms=0.0216, link_gbps=55.0)
 
 
-def _trace_path(name: str) -> Path:
-    path = TRACES / f"{name}.jsonl.gz"
-    if not path.exists():
-        pytest.skip(f"{path} absent: the real routing traces live in ../shared/traces next to the repo")
-    return path
+_trace_path = shared_trace
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +71,7 @@ def _jobs() -> list:
 
 @functools.lru_cache(maxsize=None)  # per worker process
 def _load(name: str):
-    return load_trace(TRACES / f"{name}.jsonl.gz")
+    return load_trace(TRACES_DIR / f"{name}.jsonl.gz")  # in a worker: _trace_path checked it first
 
 
 def _replay(job):
