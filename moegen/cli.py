@@ -11,6 +11,7 @@ from pathlib import Path
 from moegen import knobs
 from moegen.errors import MoegenError, UsageError
 from moegen.spec.schema import DTYPES
+from moegen.bench.command import add_bench_parser
 from moegen.offload.simulate_cli import add_simulate_parser
 from moegen.tune.cache_cli import add_cache_parser
 
@@ -25,7 +26,7 @@ def _cmd_validate(args) -> int:
     return 0
 
 
-def _buckets(text: str | None):
+def _token_counts(text: str | None, flag: str = "--buckets"):
     if text is None:
         return None
     try:
@@ -33,8 +34,9 @@ def _buckets(text: str | None):
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise UsageError(f"--buckets {text!r}: expected comma-separated token counts of at least 1, e.g. 1,8,64")
+        raise UsageError(f"{flag} {text!r}: expected comma-separated token counts of at least 1, e.g. 1,8,64")
     return counts
+
 
 
 def _output_folder(text: str) -> Path:
@@ -59,7 +61,7 @@ def _output_folder(text: str) -> Path:
 def _cmd_tune(args) -> int:
     from moegen.tune.runner import tune
 
-    tune(args.spec, buckets=_buckets(args.buckets), save_dir=args.save_dir, force=args.force)
+    tune(args.spec, buckets=_token_counts(args.buckets), save_dir=args.save_dir, force=args.force)
     return 0
 
 
@@ -86,7 +88,7 @@ def _cmd_spec(args) -> int:
     from moegen.spec.from_hf import default_name, read_config, spec_text
 
     values, source = read_config(Path(args.config))
-    buckets = _buckets(args.buckets)
+    buckets = _token_counts(args.buckets)
     text = spec_text(values, source, args.name or default_name(values, source), args.gpu,
                      tuple(buckets) if buckets else None, args.dtype)
     if args.output is None:
@@ -170,7 +172,22 @@ def parser() -> argparse.ArgumentParser:
 
     add_cache_parser(sub)
     add_simulate_parser(sub)
+    add_bench_parser(sub, lambda text: _token_counts(text, "--tokens"))
+
+    d = sub.add_parser("doctor", help="versions, the GPU and its figures, MOEGEN_* settings, where tuning "
+                                      "results and compiled kernels live, and which tuning entries apply here")
+    d.add_argument("--measure", action="store_true",
+                   help="also measure the GPU's bandwidth, GEMM rate and pinned host link (a few seconds)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    # Reports bad settings instead of stopping at them.
+    d.set_defaults(run=_cmd_doctor, checks_settings=False)
     return p
+
+
+def _cmd_doctor(args) -> int:
+    from moegen.doctor import run_doctor
+
+    return run_doctor(args.json, args.measure)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -183,7 +200,8 @@ def main(argv=None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
-            knobs.check()
+            if getattr(args, "checks_settings", True):
+                knobs.check()
             return args.run(args)
     except MoegenError as error:
         print(f"moegen: {error}" if error.exit_code != 2 else str(error), file=sys.stderr)

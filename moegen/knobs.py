@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from moegen.errors import SettingError
 
@@ -108,10 +109,32 @@ def triton_interpret() -> bool:
     return _value("TRITON_INTERPRET").lower() in _ON
 
 
+@dataclass(frozen=True)
+class Variable:
+    """One MOEGEN_* variable: its name, what it does, and the function that reads it here."""
+
+    name: str
+    meaning: str
+    read: Callable[[], object]
+
+
+VARIABLES = (
+    Variable("MOEGEN_TUNED_CONFIG_DIR", "a tuning database searched before the shipped tuned/ (and where tune "
+             "saves)", tuned_config_dir),
+    Variable("MOEGEN_REQUIRE_TUNED", "1: a bucket missing from the tuning database is an error, not a cost-model "
+             "default", require_tuned),
+    Variable("MOEGEN_PRECOMPILE", "0/1: skip / force compiling kernels into the package at build time (unset: "
+             "on the spec's target GPU)", precompile),
+    Variable("MOEGEN_TEMPLATE_DIR", "kernel templates (default: templates/)", template_dir),
+    Variable("MOEGEN_ROUTE_ALIGN_MAX_TOKENS", "batches up to this size are routed by the single-program kernel, "
+             "larger ones by the parallel pair (unset: the shape decides)", route_align_max_tokens),
+)
+
+
 def check() -> None:
     """Read every MOEGEN_* variable, so that a bad value stops a command before it does anything."""
-    for read in (template_dir, tuned_config_dir, require_tuned, precompile, route_align_max_tokens):
-        read()
+    for variable in VARIABLES:
+        variable.read()
 
 
 @contextlib.contextmanager

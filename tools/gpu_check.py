@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import gc
 import json
-import math
 import os
 import platform
 import subprocess
@@ -55,18 +53,20 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # imported where used: the script sets Triton's variables before importing torch
+    from moegen.bench.cells import Row, Workload
+    from moegen.bench.roofline import Timer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 SHIPPED_SPECS = ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v3")
-TOKENS = (1, 8, 64, 512, 4096, 16384)
+TOKENS = (1, 8, 64, 512, 4096, 16384)  # as `moegen bench` (moegen.bench.command.TOKENS)
 SMOKE_SPECS = ("tiny",)
 SMOKE_TOKENS = (1, 5, 17)
-REFERENCE_MAX_TOKENS = 4096  # larger T are timed but not checked against the float64 reference
-IMPLS = ("moegen", "naive", "grouped_mm")
 STACK_MAX_TOKENS = 512  # decode and middle cells, where a call's launch is a visible part of its time
 STACK_MAX_LAYERS = 8
 
@@ -142,144 +142,8 @@ def run_tests(env: dict, say: Report) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------
-
-
-class Timer:
-    """Median wall time of fn() in microseconds: on the GPU moegen.tune.bench.time_evicted (CUDA
-    events, L2 evicted by a clean 256 MiB read before each timed call, outside the timed region),
-    which the tuner's confirmation also times with; perf_counter on the CPU."""
-
-    def __init__(self, torch, device, quick: bool):
-        self.torch, self.device, self.quick = torch, device, quick
-        self.cuda = device.type == "cuda"
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
-    def median_us(self, fn: Callable, warmup: int = 2, target_s: Optional[float] = None,
-                  min_reps: Optional[int] = None, max_reps: Optional[int] = None) -> float:
-        from moegen.tune.bench import JUDGED_TIMING_S, time_cpu, time_evicted
-
-        target_s = target_s if target_s is not None else (0.08 if self.quick else JUDGED_TIMING_S)
-        min_reps = min_reps if min_reps is not None else (3 if self.quick else 5)
-        max_reps = max_reps if max_reps is not None else (25 if self.quick else 200)
-
-        if self.cuda:
-            return time_evicted(fn, warmup, target_s, min_reps, max_reps)
-        return time_cpu(fn, repeats=min_reps)  # the CPU smoke run: only that it runs
-
-
-# ---------------------------------------------------------------------------------------------
-# Step 2: ceilings
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Ceilings:
-    copy_gbps: float
-    read_gbps: float
-    gemm_tflops: float  # timed like the kernels: the floor's rate
-    gemm_dtype: str
-
-    @property
-    def hbm_gbps(self) -> float:
-        return max(self.copy_gbps, self.read_gbps)
-
-
-def measure_ceilings(torch, device, timer: Timer, smoke: bool) -> Ceilings:
-    if timer.cuda:
-        from moegen.tune.bench import measure_ceilings as measure
-
-        copy_gbps, read_gbps, _, tflops = measure()  # the tuner's figures: its GEMM rate timed as the kernels
-        torch.cuda.empty_cache()
-        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16")
-    # CPU smoke run: small problems, figures only to exercise the table.
-    src = torch.ones(64 << 20, dtype=torch.uint8)
-    t = timer.median_us(lambda: src.clone(), warmup=1, target_s=0.05)
-    n = 256
-    a = torch.randn(n, n)
-    t_mm = timer.median_us(lambda: a @ a, warmup=1, target_s=0.05)
-    tflops = 2 * n ** 3 / (t_mm * 1e6)
-    return Ceilings(2 * src.numel() / (t * 1e3), src.numel() / (t * 1e3), tflops, "float32")
-
-
-# ---------------------------------------------------------------------------------------------
 # Step 3: the three implementations
 # ---------------------------------------------------------------------------------------------
-
-
-def make_peers(torch, route):
-    import torch.nn.functional as F
-
-    def activation(name):
-        return F.silu if name == "silu" else F.gelu
-
-    def naive_moe(x, logits, w13, w2, p, bias, act):
-        """Route, then per expert: gather its tokens, two matmuls, weighted index_add.
-        One host synchronization (the per-expert counts) decides which experts run."""
-        weights, ids = route(logits, p, bias)
-        t, k = ids.shape
-        inter = w2.shape[-1]
-        flat = ids.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=p.num_experts).tolist()
-        token = order // k
-        slot_weight = weights.reshape(-1)[order].unsqueeze(1)
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token[start:start + n]
-            h = x[rows] @ w13[expert].T
-            y = (activation(act)(h[:, :inter]) * h[:, inter:]) @ w2[expert].T
-            out.index_add_(0, rows, y.float() * slot_weight[start:start + n])
-            start += n
-        return out.to(x.dtype)
-
-    def grouped_mm_moe(x, logits, w13, w2, p, bias, act):
-        """Route, sort slots by expert, torch._grouped_mm twice, weighted scatter-add back.
-        No host synchronization (counts by scatter_add, offsets as an int32 cumsum)."""
-        weights, ids = route(logits, p, bias)
-        t, k = ids.shape
-        inter = w2.shape[-1]
-        flat = ids.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(p.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0).to(torch.int32)
-        token = order // k
-        h = torch._grouped_mm(x[token], w13.transpose(-2, -1), offs=offs)
-        a = activation(act)(h[:, :inter]) * h[:, inter:]
-        y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token, y.float() * weights.reshape(-1)[order].unsqueeze(1))
-        return out.to(x.dtype)
-
-    return naive_moe, grouped_mm_moe
-
-
-@dataclass
-class Measured:
-    us: Optional[float] = None
-    err: Optional[float] = None
-    wrong: bool = False
-    graph: bool = False
-    note: str = ""  # why n/a, or "eager" when graph capture failed
-
-
-@dataclass
-class Row:
-    spec: str
-    tokens: int
-    floor_us: float
-    bound: str
-    touched: int
-    results: dict = field(default_factory=dict)
-    read_us: Optional[float] = None  # one streaming-read launch over the floor's bytes
 
 
 @dataclass
@@ -349,31 +213,22 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     pkg = load(folder)
     import_ms = (time.perf_counter() - start) * 1e3
 
-    m, p, ks = pkg.SPEC.model, pkg.KERNELS.routing, pkg.KERNELS
-    dtype = ks.dtype
-    elt = torch.tensor([], dtype=dtype).element_size()
-    h, inter, e, k = m.hidden_size, m.intermediate_size, m.num_experts, m.top_k
-    tol = ref.TOLERANCE[m.dtype]
-    seed = sum(map(ord, spec_name))
-    gen = torch.Generator(device=device).manual_seed(seed)
-    cpu_gen = torch.Generator().manual_seed(seed)
-    bank = torch.empty(bank_numel(e, h, inter), device=device, dtype=dtype)
-    w13, w2 = bank_views(bank, e, h, inter)
-    torch.randn(w13.shape, generator=gen, out=w13).mul_(h ** -0.5)
-    torch.randn(w2.shape, generator=gen, out=w2).mul_(inter ** -0.5)
-    bias = ref.balanced_correction_bias(e, device) if m.correction_bias else None
+    from moegen.bench.cells import Workload, measure_row
+    from moegen.bench.peers import EAGER_ONLY, implementations
 
-    def inputs(t: int):
-        x = torch.randn(t, h, generator=gen, device=device, dtype=dtype)
-        logits = ref.separated_router_logits(t, p, bias, generator=cpu_gen, device=device)
-        return x, logits
+    m, ks = pkg.SPEC.model, pkg.KERNELS
+    h, inter, e = m.hidden_size, m.intermediate_size, m.num_experts
+    tol = ref.TOLERANCE[m.dtype]
+    # One buffer holds the experts, so that the stacked layers' copies of it can be read whole.
+    bank = torch.empty(bank_numel(e, h, inter), device=device, dtype=ks.dtype)
+    work = Workload(pkg, device, sum(map(ord, spec_name)), *bank_views(bank, e, h, inter))
 
     # Cold start: the first call after import for every bucket (in bucket order), Triton
     # compilation included unless the build precompiled the kernels into the package.
     first_ms, second_ms, compiled = {}, {}, {}
     cold_tokens = [t for t in ks.buckets if t <= (17 if args.cpu_smoke else 1 << 30)]
     for t in cold_tokens:
-        x, logits = inputs(t)
+        x, logits = work.inputs(t)
         before = triton_cache_entries()
         # One timing each, so with Python's cyclic collector off (as timeit does): a collection
         # lands on whichever call crosses the allocation threshold (0.18-0.25 s with the four
@@ -384,7 +239,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
             for record in (first_ms, second_ms):
                 timer.sync()
                 start = time.perf_counter()
-                pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+                pkg.fused_moe(x, logits, work.w13, work.w2, correction_bias=work.bias)
                 timer.sync()
                 record[t] = (time.perf_counter() - start) * 1e3
         finally:
@@ -396,76 +251,12 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
         problems.append(f"{spec_name}: the first calls compiled {sum(map(len, compiled.values()))} kernels "
                         "although the package ships compiled kernels (see the cold-start table)")
 
-    from moegen.runtime.routing import route
-    from moegen.runtime.step_graphs import capture_graph
-    naive_moe, grouped_mm_moe = make_peers(torch, route)
-    # Each implementation as a function of one layer's inputs and experts, for both tables.
-    impls = {
-        "moegen": lambda x, logits, w13, w2: pkg.fused_moe(x, logits, w13, w2, correction_bias=bias),
-        "naive": lambda x, logits, w13, w2: naive_moe(x, logits, w13, w2, p, bias, m.activation),
-        "grouped_mm": lambda x, logits, w13, w2: grouped_mm_moe(x, logits, w13, w2, p, bias, m.activation),
-    }
-
-    def reference(x, logits, w13, w2):
-        return ref.moe_reference(x, logits, w13, w2, p, m.activation, bias)
-
+    impls = implementations(pkg, work.bias)  # each a function of one layer's inputs and experts
     rows = []
-
-    def floor_of(t: int, logits) -> Floor:
-        _, ids = route(logits, p, bias)
-        touched = int(torch.unique(ids).numel())
-        nbytes = touched * 3 * h * inter * elt + 2 * t * h * elt
-        mem_s = nbytes / (ceil.hbm_gbps * 1e9)
-        flop_s = 6 * t * k * h * inter / (ceil.gemm_tflops * 1e12)
-        return Floor(max(mem_s, flop_s) * 1e6, "memory" if mem_s >= flop_s else "compute", touched, nbytes)
-
     for t in args.token_list:
-        x, logits = inputs(t)
-        floor = floor_of(t, logits)
-        row = Row(spec_name, t, floor.us, floor.bound, floor.touched)
-        if timer.cuda and row.bound == "memory":
-            row.read_us = read_only_us(torch, device, timer, floor.nbytes)
-        expected = reference(x, logits, w13, w2) if t <= REFERENCE_MAX_TOKENS else None
-        calls = {name: functools.partial(impl, x, logits, w13, w2) for name, impl in impls.items()}
-        for name, fn in calls.items():
-            res = Measured()
-            row.results[name] = res
-            try:
-                out = fn()
-                timer.sync()
-            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
-                res.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-                if name == "moegen":
-                    problems.append(f"{spec_name} T={t}: moegen raised {res.note}")
-                    traceback.print_exc()
-                continue
-            finite = bool(torch.isfinite(out).all())
-            if expected is not None:
-                res.err = ref.relative_error(out, expected)
-            res.wrong = (not finite) or (res.err is not None and res.err > tol)
-            if res.wrong and name == "moegen":
-                problems.append(f"{spec_name} T={t}: moegen relative error {res.err} > {tol}")
-            del out
-            timed, graph = fn, None
-            if timer.cuda and name != "naive":
-                try:
-                    graph, _ = capture_graph(fn, warmups=2)
-                    timed, res.graph = graph.replay, True
-                except Exception as exc:  # noqa: BLE001
-                    res.note = "eager: graph capture failed"
-                    print(f"[{spec_name} T={t} {name}] graph capture failed: {exc}", file=sys.stderr)
-                    if name == "moegen":
-                        problems.append(f"{spec_name} T={t}: moegen graph capture failed: {exc}")
-                    torch.cuda.synchronize()
-            try:
-                res.us = timer.median_us(timed)
-            except Exception as exc:  # noqa: BLE001
-                res.note = f"timing failed: {type(exc).__name__}"
-                if name == "moegen":
-                    problems.append(f"{spec_name} T={t}: moegen timing failed: {exc}")
-            del graph, timed
+        row, row_problems = measure_row(work, spec_name, t, impls, ceil, timer)
         rows.append(row)
-        del expected, x, logits, calls
+        problems += row_problems
         gc.collect()
         if timer.cuda:
             torch.cuda.empty_cache()
@@ -477,12 +268,11 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     stack_tokens = [t for t in args.token_list if t <= STACK_MAX_TOKENS]
     if stack_tokens:
         buffers = [bank, *(bank.clone() for _ in range(stack_layers(torch, timer, bank) - 1))]
-        # The naive loop synchronizes with the host, so it cannot be captured: not stacked.
-        stacked = {name: impl for name, impl in impls.items() if name != "naive"}
+        stacked = {name: impl for name, impl in impls.items() if name not in EAGER_ONLY}
         for t in stack_tokens:
-            layers = [Layer(b, *bank_views(b, e, h, inter), *inputs(t)) for b in buffers]
+            layers = [Layer(b, *bank_views(b, e, h, inter), *work.inputs(t)) for b in buffers]
             try:
-                stack = bench_stack(ctx, spec_name, t, layers, stacked, reference, floor_of, tol)
+                stack = bench_stack(ctx, spec_name, t, layers, stacked, work, tol)
             except Exception as exc:  # noqa: BLE001 - the spec's one-call rows still stand
                 traceback.print_exc()
                 problems.append(f"{spec_name} T={t} in a stack of layers: {type(exc).__name__}: {exc}")
@@ -495,7 +285,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
                 f"{n} {us:.1f} us" for n, us in stack.us.items()), file=sys.stderr, flush=True)
             del layers
         del buffers
-    del bank, w13, w2, bias, impls
+    del bank, work, impls
     gc.collect()
     if timer.cuda:
         torch.cuda.empty_cache()
@@ -526,14 +316,6 @@ def stack_layers(torch, timer: Timer, bank) -> int:
 
 
 @dataclass
-class Floor:
-    us: float
-    bound: str  # "memory" or "compute"
-    touched: int  # distinct experts the routing chose
-    nbytes: int  # the memory floor's bytes
-
-
-@dataclass
 class Layer:
     bank: object  # the buffer w13 and w2 view
     w13: object
@@ -542,18 +324,19 @@ class Layer:
     logits: object
 
 
-def bench_stack(ctx, spec_name: str, t: int, layers: list[Layer], impls: dict, reference: Callable,
-                floor_of: Callable, tol: float) -> Stack:
+def bench_stack(ctx, spec_name: str, t: int, layers: list[Layer], impls: dict, work: Workload,
+                tol: float) -> Stack:
     """Each impl's layers captured back to back in one CUDA graph (run eagerly on the CPU),
     checked after the timed replays against the float64 reference; and the read-only bound the
     same way: one streaming read per layer over its floor's bytes, from its own buffer."""
-    torch, timer = ctx["torch"], ctx["timer"]
+    timer, ceil = ctx["timer"], ctx["ceil"]
     from moegen import reference as ref
+    from moegen.bench.roofline import fastest_read_us, whole_rows_numel
     from moegen.runtime.step_graphs import capture_graph
 
-    floors = [floor_of(t, layer.logits) for layer in layers]
+    floors = [work.floor(layer.logits, ceil) for layer in layers]
     stack = Stack(spec_name, t, len(layers), sum(f.us for f in floors) / len(layers))
-    expected = [reference(layer.x, layer.logits, layer.w13, layer.w2) for layer in layers]
+    expected = [work.reference(layer.x, layer.logits, layer.w13, layer.w2) for layer in layers]
     for name, impl in impls.items():
         def run():
             return [impl(layer.x, layer.logits, layer.w13, layer.w2) for layer in layers]
@@ -573,87 +356,14 @@ def bench_stack(ctx, spec_name: str, t: int, layers: list[Layer], impls: dict, r
     return stack
 
 
-def read_only_us(torch, device, timer: Timer, nbytes: int) -> float:
-    """The fastest streaming read (moegen.tune.bench.streaming_reads) of nbytes in one launch, as
-    a CUDA-graph replay with L2 evicted first: the launch, ramp-up and drain that any single
-    kernel reading those bytes pays."""
-    src = torch.empty(whole_rows_numel(nbytes, 2), dtype=torch.bfloat16, device=device)  # contents do not matter
-    best = fastest_read_us(timer, [src])
-    del src
-    torch.cuda.empty_cache()
-    return best
-
-
-def whole_rows_numel(nbytes: int, element_size: int) -> int:
-    """Elements of the whole 128-byte rows that cover nbytes (at most 126 bytes more): the TMA
-    reader reads whole rows."""
-    return -(-nbytes // 128) * 128 // element_size
-
-
-def fastest_read_us(timer: Timer, spans: list) -> float:
-    """Microseconds per span of one graph that reads every span in turn, one launch each, with
-    the fastest of moegen.tune.bench.streaming_reads."""
-    from moegen.runtime.step_graphs import capture_graph
-    from moegen.tune.bench import streaming_reads
-
-    readers = [streaming_reads(span) for span in spans]
-    best = math.inf
-    for kind in range(min(map(len, readers))):
-        def read_all(kind=kind):
-            for per_span in readers:
-                per_span[kind]()
-
-        graph, _ = capture_graph(read_all)
-        best = min(best, timer.median_us(graph.replay))
-        del graph
-    return best / len(spans)
-
-
 # ---------------------------------------------------------------------------------------------
 # Formatting
 # ---------------------------------------------------------------------------------------------
 
 
-def fmt_us(us: float) -> str:
-    return f"{us:.1f}" if us < 1000 else f"{us:.0f}"
-
-
-def fmt_err(err: Optional[float]) -> str:
-    return "-" if err is None else ("inf" if math.isinf(err) else f"{err:.1e}")
-
-
-def fmt_pct(floor_us: float, us: float) -> str:
-    # One decimal, rounded down: a cell at 84.5% or 84.96% must not read as a met 85% line.
-    return f"{math.floor(1000 * floor_us / us + 1e-9) / 10:.1f}%"
-
-
-def cells(res: Optional[Measured], floor_us: float) -> tuple[str, str]:
-    if res is None or res.us is None:
-        return "n/a", ""
-    time_cell = fmt_us(res.us)
-    if res.note.startswith("eager"):
-        time_cell += " (eager)"
-    if res.wrong:
-        time_cell += " **WRONG**"
-    return time_cell, fmt_pct(floor_us, res.us)
-
-
-def results_table(rows: list[Row]) -> list[str]:
-    out = ["| spec | T | moegen us | %floor | naive us | %floor | grouped_mm us | %floor | floor us | bound "
-           "| read-only us | %floor | err |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
-    for row in rows:
-        parts = [row.spec, str(row.tokens)]
-        for name in IMPLS:
-            parts.extend(cells(row.results.get(name), row.floor_us))
-        errs = " / ".join(fmt_err(row.results[n].err) if n in row.results else "-" for n in IMPLS)
-        read = (fmt_us(row.read_us), fmt_pct(row.floor_us, row.read_us)) if row.read_us else ("-", "-")
-        parts += [fmt_us(row.floor_us), row.bound, *read, errs]
-        out.append("| " + " | ".join(parts) + " |")
-    return out
-
-
 def stack_table(stacks: list[Stack]) -> list[str]:
+    from moegen.bench.report import fmt_err, fmt_pct, fmt_us
+
     out = ["| spec | T | layers | moegen us | %floor | grouped_mm us | %floor | floor us | read-only us | %floor "
            "| err |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -725,8 +435,11 @@ def main(argv=None) -> int:
         failed |= not run_tests(test_env, say)
     say()
 
-    timer = Timer(torch, device, args.quick)
-    ceil = measure_ceilings(torch, device, timer, args.cpu_smoke)
+    from moegen.bench.report import legend, notes, results_table
+    from moegen.bench.roofline import Timer, measure_ceilings
+
+    timer = Timer(device, args.quick)
+    ceil = measure_ceilings(timer)
     say("## Ceilings (measured)")
     say()
     say(f"- memory bandwidth: {ceil.hbm_gbps:.0f} GB/s (device-to-device copy {ceil.copy_gbps:.0f} GB/s "
@@ -767,24 +480,13 @@ def main(argv=None) -> int:
     for line in results_table(rows):
         say(line)
     say()
-    say("- us: median wall time of one call, routing included"
-        + ("" if args.cpu_smoke else "; moegen and grouped_mm as CUDA-graph replays, naive eagerly (it "
-           "synchronizes with the host); L2 evicted before each call"))
-    say("- %floor: floor / time (100% = at the roofline floor); floor = max((distinct experts touched "
-        "x 3*H*I + 2*T*H) bytes / bandwidth, 6*T*k*H*I FLOPs / GEMM rate), with the measured ceilings")
-    say("- read-only: memory-bound cells only, one launch of the fastest streaming read (a load-instruction "
-        "kernel; on Hopper also a TMA reader) over exactly the floor's bytes, timed as moegen: what a kernel "
-        "that does nothing but read them takes")
-    say(f"- err: relative Frobenius error vs the float64 reference, moegen / naive / grouped_mm; "
-        f"checked for T <= {REFERENCE_MAX_TOKENS} only ('-' above: the reference is too slow there); "
-        "**WRONG**: above the dtype's tolerance or not finite")
+    for line in legend(ceil, timer.cuda):
+        say(line)
     if rate_before:
         say(f"- {ceil.gemm_dtype} GEMM rate measured again before each spec (the floors use the one above): "
             + ", ".join(f"{name} {rate:.1f}" for name, rate in rate_before.items()) + " TFLOP/s")
-    notes = sorted({f"{r.spec} T={r.tokens} {n}: {res.note}" for r in rows for n, res in r.results.items()
-                    if res.note and not res.note.startswith("eager")})
-    for note in notes:
-        say(f"- n/a {note}")
+    for line in notes(rows):
+        say(line)
     say()
     if stacks:
         say(f"## In a stack of layers (T <= {STACK_MAX_TOKENS})")
