@@ -10,7 +10,7 @@ from pathlib import Path
 
 from moegen import knobs
 from moegen.errors import MoegenError, UsageError
-from moegen.spec.schema import DTYPES
+from moegen.spec.schema import DTYPES, OFFLOAD_POLICIES, PREFETCH_MODES
 from moegen.bench.command import add_bench_parser
 from moegen.offload.simulate_cli import add_simulate_parser
 from moegen.tune.cache_cli import add_cache_parser
@@ -65,6 +65,29 @@ def _cmd_tune(args) -> int:
     return 0
 
 
+def _offload_overrides(spec, args):
+    """The spec with `moegen plan`'s --expert-memory-gib, --policy and --prefetch applied, checked
+    as the spec's own fields are (an error names the argument)."""
+    from dataclasses import replace
+
+    from moegen.spec.loader import expert_memory_shortfall
+    from moegen.target import lookup_gpu
+
+    if args.expert_memory_gib is not None:
+        gpu = lookup_gpu(spec.target.gpu)
+        if not 0 < args.expert_memory_gib <= gpu.memory_gib:
+            raise UsageError(f"--expert-memory-gib {args.expert_memory_gib:g}: use a budget in GiB above 0 and at "
+                             f"most the {gpu.alias}'s {gpu.memory_gib:g}")
+        spec = replace(spec, target=replace(spec.target, expert_memory_gib=args.expert_memory_gib))
+        shortfall = expert_memory_shortfall(spec)
+        if shortfall is not None:
+            _, problem, fix = shortfall
+            raise UsageError(f"--expert-memory-gib {args.expert_memory_gib:g}: {problem}; "
+                             f"{fix.replace('target.expert_memory_gib', '--expert-memory-gib')}")
+    overrides = {name: getattr(args, name) for name in ("policy", "prefetch") if getattr(args, name) is not None}
+    return replace(spec, offload=replace(spec.offload, **overrides)) if overrides else spec
+
+
 def _cmd_plan(args) -> int:
     import json
 
@@ -73,7 +96,7 @@ def _cmd_plan(args) -> int:
     from moegen.plan.offload import plan_for_trace, plan_offload
     from moegen.spec import load_spec
 
-    ir = lower(load_spec(args.spec), args.spec)
+    ir = lower(_offload_overrides(load_spec(args.spec), args), args.spec)
     offload = plan_for_trace(ir, args.trace) if args.trace else plan_offload(ir)
     if args.json:
         print(json.dumps(offload.to_json(), indent=2, sort_keys=True))
@@ -167,6 +190,10 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="print the expert-offload plan (slots, pinned experts, prefetch, expected cost)")
     pl.add_argument("spec")
     pl.add_argument("--trace", type=Path, help="a moegen-trace v1 file: profile, pinning and simulated hit rate")
+    pl.add_argument("--expert-memory-gib", type=float, metavar="GIB",
+                    help="the GPU memory for experts, in place of the spec's target.expert_memory_gib")
+    pl.add_argument("--policy", choices=OFFLOAD_POLICIES, help="in place of the spec's offload.policy")
+    pl.add_argument("--prefetch", choices=PREFETCH_MODES, help="in place of the spec's offload.prefetch")
     pl.add_argument("--json", action="store_true", help="print plan.json's content")
     pl.set_defaults(run=_cmd_plan)
 

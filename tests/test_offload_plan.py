@@ -135,3 +135,40 @@ def test_plan_rejects_a_trace_of_another_model(tmp_path):
     trace_path = shared_trace("mixtral-8x7b-gsm8k")
     with pytest.raises(TraceError, match="top-2 of 8 experts"):
         plan_for_trace(_ir(tmp_path, "deepseek-v2-lite"), trace_path)
+
+
+def _plan_json(capsys, *argv) -> dict:
+    from moegen.cli import main
+
+    assert main(["plan", str(REPO / "specs" / "deepseek-v2-lite.yaml"), "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_arguments_override_the_spec_budget_and_policy(capsys):
+    resident = _plan_json(capsys)
+    assert resident["offloaded"] is False
+    offloaded = _plan_json(capsys, "--expert-memory-gib", "8", "--policy", "lfu", "--prefetch", "router")
+    assert offloaded["offloaded"] is True and offloaded["budget_bytes"] == 8 * 2**30
+    assert (offloaded["policy"], offloaded["prefetch"], offloaded["estimate_from"]) == ("lfu", "router", "uniform routing")
+    assert sum(offloaded["slots_per_layer"]) == 8 * 2**30 // offloaded["expert_bytes"]
+
+
+def test_a_trace_changes_the_plan_under_a_budget_that_offloads(capsys):
+    uniform = _plan_json(capsys, "--expert-memory-gib", "8")
+    traced = _plan_json(capsys, "--expert-memory-gib", "8", "--trace", str(shared_trace("deepseek-v2-lite-intent")))
+    assert traced["estimate_from"] == "trace deepseek-v2-lite-intent.jsonl.gz"
+    assert traced["slots_per_layer"] != uniform["slots_per_layer"]  # the trace's profile places the slots
+    assert traced["expected_hit_rate"] > uniform["expected_hit_rate"] + 0.1
+
+
+@pytest.mark.parametrize("budget, needle", [
+    ("0.5", "--expert-memory-gib 0.5: 0.5 GiB holds 31 experts of 16.5 MiB, but 26 layers x top-6 need 156; raise "
+            "--expert-memory-gib to at least 3"),
+    ("0", "--expert-memory-gib 0: use a budget in GiB above 0 and at most the h200's 139.8"),
+    ("500", "--expert-memory-gib 500: use a budget"),
+])
+def test_plan_budget_argument_errors_name_the_argument(budget, needle, capsys):
+    from moegen.cli import main
+
+    assert main(["plan", str(REPO / "specs" / "deepseek-v2-lite.yaml"), "--expert-memory-gib", budget]) == 2
+    assert needle in capsys.readouterr().err
