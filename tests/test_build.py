@@ -629,3 +629,21 @@ def test_kernel_fingerprint_comparison_counts_identical_variants_per_kernel():
     before = {gate_up: ["a", "b"], other_shape: ["c"], count: ["d"]}
     after = {gate_up: ["b", "a"], other_shape: ["c"], count: ["e"]}
     assert fingerprint.compare(before, after) == {"moe_gate_up": (3, 3), "moe_route_align_count": (1, 0)}
+
+
+def test_load_returns_one_module_per_build(tmp_path):
+    """moegen.load imports a package once; after a rebuild with other content it imports the new
+    build (an unchanged rebuild writes nothing and keeps the module)."""
+    from moegen import load
+
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY.read_text())
+    assert cli.main(["build", str(spec), "-o", str(tmp_path)]) == 0
+    first = load(tmp_path / "tiny")
+    assert load(tmp_path / "tiny") is first
+    assert cli.main(["build", str(spec), "-o", str(tmp_path)]) == 0  # up to date
+    assert load(tmp_path / "tiny") is first
+    spec.write_text(TINY.read_text().replace("token_buckets: [1, 4, 16, 64]", "token_buckets: [1, 8]"))
+    assert cli.main(["build", str(spec), "-o", str(tmp_path)]) == 0
+    rebuilt = load(tmp_path / "tiny")
+    assert rebuilt is not first and rebuilt.BUCKETS == (1, 8) and first.BUCKETS == (1, 4, 16, 64)

@@ -111,3 +111,15 @@ def test_no_config_and_existing_output_exit_2(tmp_path, capsys):
     mine.write_text("my own notes\n")
     assert main(["spec", str(tmp_path), "-o", str(mine)]) == 2
     assert "exists" in capsys.readouterr().err and mine.read_text() == "my own notes\n"
+
+
+@pytest.mark.parametrize("relative, name", [
+    ("Mixtral-8x7B-Instruct-v0.1/config.json", "mixtral-8x7b-instruct-v0.1"),  # a model folder
+    ("configs/Mixtral 8x7B.json", "mixtral-8x7b"),  # a config saved under its own name
+])
+def test_the_default_name_follows_the_folder_or_the_file(relative, name, tmp_path, capsys):
+    config = tmp_path / relative
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps(MIXTRAL))
+    assert main(["spec", str(config)]) == 0
+    assert f"\nname: {name}\n" in capsys.readouterr().out

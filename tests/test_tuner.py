@@ -30,7 +30,8 @@ def interpreter_spec(tmp_path, monkeypatch):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-interpreter tuning test")
 def test_tune_warm_rebuild_and_forced_retune(interpreter_spec, tmp_path, capsys, monkeypatch):
     db_dir = tmp_path / "db"
-    with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(db_dir)):
+    # Strict mode, as a CI that exports it everywhere: tuning fills the database it requires.
+    with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(db_dir), MOEGEN_REQUIRE_TUNED="1"):
         report = tune(interpreter_spec, out=io.StringIO(), err=io.StringIO())
         assert [r.tokens for r in report.results] == [1, 16]
         assert report.benchmarked >= 2 and report.saved_to.parent == db_dir

@@ -81,7 +81,12 @@ def load_package(path):
     if not init.is_file():
         raise PackageError(f"{folder}: not a generated moegen package (no __init__.py); "
                            f"run `moegen build SPEC -o {folder.parent}` first")
-    module_name = f"moegen_generated_{folder.name}_{abs(hash(str(folder))):x}"
+    # Keyed by the folder and the build: the same build loads once, a rebuilt package anew.
+    try:
+        build_id = hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()[:16]
+    except OSError:
+        build_id = "none"  # the package's own import then names what is missing
+    module_name = f"moegen_generated_{folder.name}_{abs(hash(str(folder))):x}_{build_id}"
     if module_name in sys.modules:
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, init, submodule_search_locations=[str(folder)])

@@ -30,16 +30,16 @@ class BuildPlan:
     offload: OffloadPlan
 
 
-def plan(ir: ModelIR, db=None, spec_path: Optional[str] = None) -> BuildPlan:
+def plan(ir: ModelIR, db=None, spec_path: Optional[str] = None, strict: Optional[bool] = None) -> BuildPlan:
     """db: a moegen.tune.db.TuningDb (None: the default search path). A miss falls back to the
-    cost model, or raises MissingTunedConfigError under MOEGEN_REQUIRE_TUNED=1."""
+    cost model, or raises MissingTunedConfigError where strict (None: under MOEGEN_REQUIRE_TUNED=1)."""
     from moegen.tune.db import TuningDb, resolve
 
     db = TuningDb() if db is None else db
     sig, target = ir.signature, ir.target
     buckets = []
     for tokens in ir.spec.workload.token_buckets:
-        entry = resolve(db, target, sig, tokens, KERNEL_TEMPLATES, spec_path or ir.spec_file)
+        entry = resolve(db, target, sig, tokens, KERNEL_TEMPLATES, spec_path or ir.spec_file, strict)
         config, source = ((entry.config, f"tuned:{entry.path.name}") if entry is not None
                           else (default_config(sig, target, tokens), COST_MODEL))
         buckets.append(BucketPlan(tokens, bucket_cost(sig, target, tokens), config, source))

@@ -225,9 +225,11 @@ def spec_text(config: Mapping, source: str, name: str, gpu: str = "h200",
 
 
 def default_name(config: Mapping, file: str) -> str:
-    """A spec name from the model's folder (e.g. 'Mixtral-8x7B-v0.1' -> 'mixtral-8x7b-v0.1')."""
-    folder = Path(file).resolve().parent.name
-    candidate = re.sub(r"[^a-z0-9_.\-]+", "-", folder.lower()).strip("-.")
+    """A spec name from the model's folder (e.g. 'Mixtral-8x7B-v0.1' -> 'mixtral-8x7b-v0.1'), or
+    from the file's own name where it is not config.json (specs/hf/olmoe-1b-7b.json)."""
+    path = Path(file).resolve()
+    source = path.parent.name if path.name == "config.json" else path.stem
+    candidate = re.sub(r"[^a-z0-9_.\-]+", "-", source.lower()).strip("-.")
     if not candidate or not candidate[0].isalpha():
         candidate = str(config.get("model_type", "model")).replace("_", "-")
     return candidate[:MAX_NAME_LEN]

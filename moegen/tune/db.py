@@ -389,11 +389,12 @@ class TuningDb:
 
 
 def resolve(db: TuningDb, target: GpuTarget, signature: KernelSignature, tokens: int,
-            template_names: Iterable[str], spec_path) -> Optional[TunedEntry]:
-    """db.lookup, except that a miss is MissingTunedConfigError when MOEGEN_REQUIRE_TUNED is set."""
+            template_names: Iterable[str], spec_path, strict: Optional[bool] = None) -> Optional[TunedEntry]:
+    """db.lookup, except that a miss is MissingTunedConfigError where strict (None: where
+    MOEGEN_REQUIRE_TUNED is set)."""
     template_names = list(template_names)
     entry = db.lookup(target, signature, tokens, template_names)
-    if entry is None and knobs.require_tuned():
+    if entry is None and (knobs.require_tuned() if strict is None else strict):
         raise MissingTunedConfigError(target.name, signature, tokens, db.dirs, spec_path,
                                       db.explain(target, signature, tokens, template_names))
     return entry
