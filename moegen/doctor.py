@@ -36,13 +36,15 @@ def _gpu(measure: bool) -> dict:
 
     gpu = current_gpu()
     if gpu is None or gpu.name == INTERPRETER:
-        return {"device": None, "cuda": torch.version.cuda,
+        # Under the interpreter, entries tuned for it are this machine's.
+        return {"device": None, "cuda": torch.version.cuda, "tuning_device": gpu.name if gpu else None,
                 "note": "no CUDA GPU (torch.cuda.is_available() is false)"
                         + ("; kernels run in Triton's interpreter" if gpu is not None else
                            "; set TRITON_INTERPRET=1 to run kernels on the CPU (tiny shapes)")}
     known = lookup_gpu(gpu.name) is not None
     info = {
-        "device": gpu.name, "cuda": torch.version.cuda, "arch": f"sm_{gpu.arch}", "sm_count": gpu.sm_count,
+        "device": gpu.name, "tuning_device": gpu.name, "cuda": torch.version.cuda, "arch": f"sm_{gpu.arch}",
+        "sm_count": gpu.sm_count,
         "memory_gib": gpu.memory_gib, "spec_alias": gpu.alias if known else None,
         "known_figures": {"hbm_gbps": gpu.hbm_gbps, "bf16_tflops": gpu.bf16_tflops,
                           "host_link_gbps": gpu.host_link_gbps,
@@ -138,7 +140,7 @@ def _entries(device: Optional[str]) -> list[dict]:
             if stale:
                 status = "stale: " + "; ".join(stale)
             elif device is None:
-                status = "current (no GPU here to match)"
+                status = "current (no GPU here to match)"  # nor the interpreter
             else:
                 status = "matches this machine" if meta.get("device") == device else "current, for another GPU"
             entries.append({"path": str(path), "device": meta.get("device"),
@@ -150,7 +152,7 @@ def _entries(device: Optional[str]) -> list[dict]:
 def doctor(measure: bool = False) -> dict:
     gpu = _gpu(measure)
     return {"versions": _versions(), "gpu": gpu, "variables": _variables(), "locations": _locations(),
-            "tuning_entries": _entries(gpu["device"])}
+            "tuning_entries": _entries(gpu["tuning_device"])}
 
 
 def _print(report: dict) -> None:
@@ -198,7 +200,7 @@ def _print(report: dict) -> None:
     entries = report["tuning_entries"]
     matching = [e for e in entries if e["status"] == "matches this machine"]
     print(f"tuning entries: {len(matching)} of {len(entries)} match this machine"
-          + ("" if gpu["device"] else " (no GPU here: builds use them for the spec's target GPU)"))
+          + ("" if gpu["tuning_device"] else " (no GPU here: builds use them for the spec's target GPU)"))
     for entry in entries:
         print(f"  {Path(entry['path']).name if entry['path'] else '-'}: {entry.get('buckets') or 0} buckets, "
               f"{entry.get('device') or '?'}: {entry['status']}")
