@@ -117,14 +117,10 @@ def _locations() -> dict:
 def _entries(device: Optional[str]) -> list[dict]:
     """Every tuning file in the search path, and whether it serves this machine: its device, this
     Triton and these templates (a build takes a bucket's config only from such a file)."""
-    from moegen.render import KERNEL_TEMPLATES
     from moegen.tune import db
 
     try:
         search = db.default_search_path()
-        # The device is compared apart: an entry for another GPU is not stale.
-        want = db.DbMetadata(device=None, signature=None, triton=db.installed_version("triton"), torch=None,
-                             moegen=None, template_hash=db.template_hash(KERNEL_TEMPLATES))
     except MoegenError as error:
         return [{"path": None, "status": f"unusable: {error}"}]
     entries = []
@@ -136,7 +132,11 @@ def _entries(device: Optional[str]) -> list[dict]:
                 entries.append({"path": str(path), "device": None, "buckets": None, "status": f"corrupt: {error}"})
                 continue
             meta = content["metadata"]
-            stale = db.differences(db.DbMetadata.from_dict(meta), want)
+            try:  # the device is compared apart: an entry for another GPU is not stale
+                stale = db.differences(db.DbMetadata.from_dict(meta), db.current_versions(meta))
+            except MoegenError as error:  # MOEGEN_TEMPLATE_DIR unusable
+                entries.append({"path": str(path), "device": meta.get("device"), "status": f"unusable: {error}"})
+                continue
             if stale:
                 status = "stale: " + "; ".join(stale)
             elif device is None:

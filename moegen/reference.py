@@ -117,6 +117,36 @@ def moe_reference(hidden_states, router_logits, w13, w2, p: RoutingParams, activ
     return experts_reference(hidden_states, weights, ids, w13, w2, activation)
 
 
+def quantized_experts_reference(hidden_states, topk_weights, topk_ids, w13: dict, w2: dict, fmt,
+                                activation: str = "silu"):
+    """experts_reference for quantized experts: w13 and w2 as their format stores them
+    (moegen.quant.quantize), dequantized; for fp8 formats the activations quantized as the
+    kernels quantize them (the hidden states, and the intermediate after its rounding to the
+    model dtype). Accumulated in float64."""
+    from moegen.quant.quantize import dequantize, dequantize_w13, quantize_activations
+
+    hidden, inter = hidden_states.shape[1], w13["weight"].shape[1] // 2
+    w13_ = dequantize_w13(w13, fmt, hidden, inter)
+    w2_ = dequantize(w2, fmt, hidden, inter)
+    x = quantize_activations(hidden_states, fmt)
+    out = torch.zeros_like(x)
+    ids = topk_ids.to(torch.int64)
+    model_dtype = hidden_states.dtype
+    for expert in torch.unique(ids).tolist():
+        rows, slots = (ids == expert).nonzero(as_tuple=True)
+        g = x[rows] @ w13_[expert].T
+        mid = (activation_ref(g[:, :inter], activation) * g[:, inter:]).to(model_dtype)
+        y = quantize_activations(mid, fmt) @ w2_[expert].T
+        out.index_add_(0, rows, y * topk_weights[rows, slots].to(torch.float64).unsqueeze(1))
+    return out
+
+
+def quantized_moe_reference(hidden_states, router_logits, w13: dict, w2: dict, fmt, p: RoutingParams,
+                            activation="silu", correction_bias=None):
+    weights, ids, _ = route_reference(router_logits, p, correction_bias)
+    return quantized_experts_reference(hidden_states, weights, ids, w13, w2, fmt, activation)
+
+
 def gated_mlp_reference(x, w_gate_up, w_down, activation="silu"):
     """A dense gated MLP (shared experts) in float64."""
     h = x.to(torch.float64) @ w_gate_up.to(torch.float64).T

@@ -83,13 +83,21 @@ def main(spec: str, tokens: list[int]) -> dict:
     w13 = torch.randn(m.num_experts, 2 * m.intermediate_size, m.hidden_size, generator=generator).to(ks.dtype)
     w2 = torch.randn(m.num_experts, m.hidden_size, m.intermediate_size, generator=generator).to(ks.dtype)
     bias = torch.rand(m.num_experts, generator=generator) if m.correction_bias else None
+    scales = {}
+    if ks.weight_format.quantized:  # the experts as their format stores them, with their scales
+        from moegen.quant.quantize import quantize, quantize_w13
+
+        stored13, stored2 = quantize_w13(w13, ks.weight_format), quantize(w2, ks.weight_format)
+        w13, w2 = stored13.pop("weight"), stored2.pop("weight")
+        scales = {f"{proj}_{part}": value for proj, stored in (("w13", stored13), ("w2", stored2))
+                  for part, value in stored.items()}
     inputs = [(torch.randn(t, m.hidden_size, generator=generator).to(ks.dtype),
                separated_router_logits(t, ks.routing, bias, generator=generator)) for t in tokens]
     rounds = []
     for _ in range(2):
         start, triton_start = len(launched), len(through_triton)
         for x, logits in inputs:
-            pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+            pkg.fused_moe(x, logits, w13, w2, correction_bias=bias, **scales)
         rounds.append({"through_triton": through_triton[triton_start:],
                        "launches": [[name] + [_signature(a) for i, a in enumerate(args) if i not in _HOOK_POSITIONS]
                                     for name, args in launched[start:]]})

@@ -103,3 +103,19 @@ def test_readme_documents_every_variable():
     readme = (REPO / "README.md").read_text()
     for variable in knobs.VARIABLES:
         assert f"| `{variable.name}" in readme, variable.name
+
+
+@on_cpu
+def test_bench_of_quantized_experts_checks_moegen_against_the_quantized_reference(tmp_path, capsys):
+    """moegen runs the int4 storage, checked against the float64 reference of the dequantized
+    weights; the peers run those dequantized weights; the floor counts the quantized bytes."""
+    spec = tmp_path / "tiny_int4.yaml"
+    spec.write_text(TINY.read_text().replace("hidden_size: 40", "hidden_size: 64").replace(
+        "quantization: none\n  quantization_group_size: 128", "quantization: int4_group\n  quantization_group_size: 32"))
+    assert cli.main(["bench", str(spec), "--tokens", "1", "--quick", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["weights"] == "int4_group" and report["problems"] == []
+    (row,) = report["rows"]
+    assert all(cell["err"] < 1e-4 and not cell["wrong"] for cell in row["implementations"].values())
+    stored = 2 * (3 * 64 * 24 // 2 + (2 * 24 * 2 + 64 * 1) * 4)  # two experts' int4 weights and float32 scales
+    assert row["floor_us"] * 1e-6 * report["ceilings"]["hbm_gbps"] * 1e9 == pytest.approx(stored + 2 * 64 * 4)

@@ -506,6 +506,14 @@ GROUPED_BF16 = TINY.read_text().replace("name: tiny", "name: grouped_bf16").repl
     "dtype: float32", "dtype: bfloat16")
 
 
+_QUANTIZATION_DEFAULTS = "quantization: none\n  quantization_group_size: 128\n  quantization_zero_point: false"
+QUANTIZED_VARIANTS = {  # the kernels of quantized experts, compiled and looked up like the others
+    "tiny_int4_zero": TINY.read_text().replace("hidden_size: 40", "hidden_size: 64").replace(
+        _QUANTIZATION_DEFAULTS, "quantization: int4_group\n  quantization_group_size: 32\n  quantization_zero_point: true"),
+    "grouped_bf16_fp8": GROUPED_BF16.replace(_QUANTIZATION_DEFAULTS, "quantization: fp8_block"),
+}
+
+
 def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, stream_tokens: int,
                            undecoded_tokens: int) -> None:
     """A tuning database whose entry for `tail_tokens` has tail rows on 32-row blocks (no
@@ -514,7 +522,7 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
     from dataclasses import replace
 
     from moegen.plan.configs import default_config
-    from moegen.render import KERNEL_TEMPLATES
+    from moegen.render import kernel_templates
     from moegen.tune import db
 
     ir = lower(load_spec(spec_file), spec_file)
@@ -522,7 +530,7 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
                     down_max_registers=128, streams=2, group_m=1)
     streams = replace(default_config(ir.signature, ir.target, stream_tokens), decode_block_n=0, streams=2)
     undecoded = replace(default_config(ir.signature, ir.target, undecoded_tokens), decode_block_n=0)
-    metadata = db.current_metadata(ir.target.name, ir.signature, KERNEL_TEMPLATES)
+    metadata = db.current_metadata(ir.target.name, ir.signature, kernel_templates(ir.signature))
     db.save(directory, metadata, {tail_tokens: {"config": tails, "time_us": 1.0},
                                   stream_tokens: {"config": streams, "time_us": 1.0},
                                   undecoded_tokens: {"config": undecoded, "time_us": 1.0}}, {})
@@ -530,13 +538,13 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
 
 def _replay_launches(script: str, spec: str, tmp_path: Path, sm90_compile_env: dict) -> dict:
     """The JSON a replay script of tests/ prints for the runtime's launches of 64, 8, 1, 4 and 16
-    tokens against the stand-in sm_90 driver: spec "tiny" (odd fp32 sizes) or "grouped_bf16",
-    each with its 64-token bucket tuned to tail rows, it and the 16-token one on two streams, and
+    tokens against the stand-in sm_90 driver: spec "tiny" (odd fp32 sizes), "grouped_bf16" or a
+    quantized variant of either (QUANTIZED_VARIANTS), each with its 64-token bucket tuned to tail rows, it and the 16-token one on two streams, and
     the 1-token one without the decode kernel."""
     spec_file = TINY
-    if spec == "grouped_bf16":
-        spec_file = tmp_path / "grouped_bf16.yaml"
-        spec_file.write_text(GROUPED_BF16)
+    if spec in QUANTIZED_VARIANTS or spec == "grouped_bf16":
+        spec_file = tmp_path / f"{spec}.yaml"
+        spec_file.write_text(QUANTIZED_VARIANTS.get(spec, GROUPED_BF16))
     _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16, 1)
     env = dict(sm90_compile_env, MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
     result = subprocess.run([sys.executable, str(REPO / "tests" / script), str(spec_file), "64,8,1,4,16"],
@@ -545,7 +553,7 @@ def _replay_launches(script: str, spec: str, tmp_path: Path, sm90_compile_env: d
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("spec", ["tiny", "grouped_bf16"])
+@pytest.mark.parametrize("spec", ["tiny", "grouped_bf16", *QUANTIZED_VARIANTS])
 def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_env):
     """The runtime's first launches, in an order unlike the build's (routing pair first), find
     every kernel the build compiled into the package: no compile at first call. Replayed on the
@@ -566,7 +574,7 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_en
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []
 
 
-@pytest.mark.parametrize("spec", ["tiny", "grouped_bf16"])
+@pytest.mark.parametrize("spec", ["tiny", "grouped_bf16", *QUANTIZED_VARIANTS])
 def test_direct_launches_pass_what_triton_passes(spec, tmp_path, sm90_compile_env):
     """moegen.runtime.launch skips JITFunction.run once a kernel is compiled: the same calls run
     twice against a stand-in sm_90 driver whose launcher records its arguments

@@ -667,7 +667,7 @@ LAYER_BAD_INPUTS = [  # (case, MoELayer keyword arguments, hidden_states shape a
     ("input_width", {}, ((3, 41), torch.float32), r"hidden_states: expected \[\.\.\., 40\] torch.float32, got \[3, 41\]"),
     ("input_scalar", {}, ((), torch.float32), r"hidden_states: expected \[\.\.\., 40\] torch.float32, got \[\]"),
     ("layer_converted", dict(convert=torch.float64), ((3, 40), torch.float32),
-     r"w13 is torch.float64: this package's kernels run torch.float32; do not convert the layer"),
+     r"w13 is torch.float64: this package's kernels take torch.float32; do not convert the layer"),
 ]
 
 

@@ -53,13 +53,32 @@ def test_cli_writes_a_spec_that_builds_the_same_package_inputs(tmp_path, capsys)
     assert "name: dsv3\n" in out and "  dtype: float16\n  router_dtype: float32\n" in out
 
 
-def test_a_quantized_checkpoint_is_named_in_the_spec_and_on_stderr(tmp_path, capsys):
+QUANTIZED = [  # quantization_config -> the spec's quantization fields
+    ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     ("fp8_block", 128, False)),  # DeepSeek-V3, Qwen3-30B-A3B-FP8
+    ({"quant_method": "fbgemm_fp8"}, ("fp8_channel", 128, False)),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+     ("int4_group", 128, True)),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": True}, ("int4_group", 64, False)),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False}, ("int4_group", 32, True)),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 128}}}}, ("int4_group", 128, False)),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     ("fp8_channel", 128, False)),
+]
+
+
+@pytest.mark.parametrize("quantization, fields", QUANTIZED, ids=lambda v: v["quant_method"] if isinstance(v, dict) else "")
+def test_a_quantized_checkpoint_gives_a_quantized_spec(quantization, fields, tmp_path, capsys):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(PUBLISHED["deepseek-v3"] | {"quantization_config": {"quant_method": "fp8"}}))
-    assert main(["spec", str(config), "--name", "dsv3"]) == 0
-    captured = capsys.readouterr()
-    note = 'the checkpoint is quantized ("fp8"): moegen\'s experts run bfloat16, so dequantize the weights'
-    assert f"# Note: {note}" in captured.out and note in captured.err
+    config.write_text(json.dumps(PUBLISHED["deepseek-v3"] | {"quantization_config": quantization}))
+    out = tmp_path / "spec.yaml"
+    assert main(["spec", str(config), "--name", "dsv3", "-o", str(out)]) == 0
+    m = load_spec(out).model
+    assert (m.quantization, m.quantization_group_size, m.quantization_zero_point) == fields
+    assert f"The checkpoint's experts are quantized ({fields[0]})" in out.read_text()
 
 
 @dataclass(frozen=True)
@@ -88,6 +107,12 @@ BAD_CONFIGS = [
         "decoder_sparse_step: 0 is not a positive count"),
     Bad("nested_dense_layers", PUBLISHED["qwen3-30b-a3b"] | {"mlp_only_layers": [[1]]},
         "mlp_only_layers: expected a list of layer numbers"),
+    Bad("fp8_blocks", MIXTRAL | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+        "quantization_config.weight_block_size: [64, 64] is not supported"),
+    Bad("awq_8bit", MIXTRAL | {"quantization_config": {"quant_method": "awq", "bits": 8, "group_size": 128}},
+        "quantization_config: awq with 8 bits in groups of 128 is not supported"),
+    Bad("bitsandbytes", MIXTRAL | {"quantization_config": {"quant_method": "bitsandbytes"}},
+        'quantization_config.quant_method: "bitsandbytes" is not supported'),
     Bad("not_json", "{", "not JSON"),
     Bad("not_an_object", "[1, 2]", "not a JSON object"),
 ]

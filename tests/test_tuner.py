@@ -79,14 +79,14 @@ def test_stale_file_stops_the_tuner_early_and_seeds_a_tune_elsewhere(interpreter
     before it benchmarks anything, and tuning into another directory times the stale entry."""
     from moegen.ir import lower
     from moegen.plan.configs import default_config
-    from moegen.render import KERNEL_TEMPLATES
+    from moegen.render import kernel_templates
     from moegen.spec import load_spec
     from moegen.target import current_gpu
     from moegen.tune import runner
 
     gpu, ir = current_gpu(), lower(load_spec(interpreter_spec), interpreter_spec)
     previous = replace(default_config(ir.signature, gpu, 1), group_m=16)  # outside the search space
-    stale_meta = replace(tuning_db.current_metadata(gpu.name, ir.signature, KERNEL_TEMPLATES), template_hash="0" * 64)
+    stale_meta = replace(tuning_db.current_metadata(gpu.name, ir.signature, kernel_templates(ir.signature)), template_hash="0" * 64)
     stale_dir = tmp_path / "stale"
     stale_file = tuning_db.save(stale_dir, stale_meta, {1: {"config": previous, "time_us": 5.0}}, {})
     before = stale_file.read_bytes()
@@ -474,3 +474,30 @@ def test_defaults_mark_tensor_copies_evict_first_where_experts_expect_a_block(sp
     assert all(c.tma or not c.l2_evict_first for c in space.tma_candidates(default, sig, gpu))
     assert violation(replace(default, tma=False, l2_evict_first=True), sig, gpu) == \
         "l2_evict_first marks the tensor-descriptor copies: it needs tma"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-interpreter tuning test")
+@pytest.mark.parametrize("quantization, key", [
+    ("quantization: int4_group\n  quantization_group_size: 32\n  quantization_zero_point: true", "int4g32z"),
+    ("quantization: fp8_block", "fp8b"),
+])
+def test_quantized_experts_tune_with_the_same_tuner(quantization, key, tmp_path, monkeypatch):
+    """Every candidate runs the format's kernels on quantized weights and is verified against the
+    quantized reference; the results land in a file of their own, which a strict build takes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    text = (REPO / "specs" / "tiny.yaml").read_text().replace("gpu: h200", "gpu: interpreter")
+    text = text.replace("token_buckets: [1, 4, 16, 64]", "token_buckets: [1, 16]")
+    text = text.replace("hidden_size: 40", "hidden_size: 64").replace("intermediate_size: 24", "intermediate_size: 96")
+    text = text.replace("quantization: none\n  quantization_group_size: 128\n  quantization_zero_point: false", quantization)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(text)
+    with knobs.scope(MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "db"), MOEGEN_REQUIRE_TUNED="1"):
+        report = tune(spec, out=io.StringIO(), err=io.StringIO())
+        assert report.saved_to.name == f"h64_i96_e6_k2_silu_float32_{key}__triton_interpreter.json"
+        assert [r.tokens for r in report.results] == [1, 16] and all(r.candidates >= 2 for r in report.results)
+        assert all(not r.config.tma for r in report.results)  # quantized weights: plain loads
+        if key == "fp8b":
+            assert {r.config.block_k for r in report.results} == {128}
+        assert cli.main(["build", str(spec), "-o", str(tmp_path / "out")]) == 0
+    manifest = json.loads((tmp_path / "out" / "tiny" / "manifest.json").read_text())
+    assert {b["source"] for b in manifest["buckets"]} == {f"tuned:{report.saved_to.name}"}

@@ -18,7 +18,7 @@ import pytest
 from moegen import knobs
 from moegen.errors import MoegenError
 from moegen.ir import KernelSignature
-from moegen.render import KERNEL_TEMPLATES
+from moegen.render import kernel_templates
 from moegen.runtime.fused import KernelConfig
 from moegen.target import lookup_gpu
 from moegen.tune import db
@@ -28,7 +28,7 @@ DEVICE = "NVIDIA H200"
 GPU = lookup_gpu(DEVICE)
 SIG = KernelSignature(hidden_size=64, intermediate_size=128, num_experts=4, top_k=2, activation="silu",
                       dtype="float32")
-TEMPLATES = list(KERNEL_TEMPLATES)  # what the build (and `moegen cache list`) hashes
+TEMPLATES = list(kernel_templates(SIG))  # what the build (and `moegen cache list`) hashes
 _TILES = dict(block_m=16, block_n=32, block_k=32, group_m=1, num_stages=2, down_block_n=32, down_block_k=32)
 # Every field without a default (warps and any added later get 4): robust to KernelConfig growing.
 CONFIG = KernelConfig(**{f.name: _TILES.get(f.name, 4) for f in dataclasses.fields(KernelConfig)
@@ -363,11 +363,19 @@ def _other_value(value):
     return value + 1 if isinstance(value, int) else value + "x"
 
 
+INT4 = replace(SIG, quantization="int4_group", group_size=128)
+# The weight format's fields, each changed from a signature where it applies (lower() leaves them
+# at their defaults where the format has no such field).
+FORMAT_CHANGES = {"quantization": (SIG, replace(SIG, quantization="fp8_block")),
+                  "group_size": (INT4, replace(INT4, group_size=64)),
+                  "zero_point": (INT4, replace(INT4, zero_point=True))}
+
+
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(KernelSignature)])
 def test_every_signature_field_changes_the_file_name(field):
-    other = replace(SIG, **{field: _other_value(getattr(SIG, field))})
-    assert db.db_file_name(DEVICE, other) != db.db_file_name(DEVICE, SIG)
-    assert db.differences(current(other), current())  # and a checked field
+    base, other = FORMAT_CHANGES.get(field) or (SIG, replace(SIG, **{field: _other_value(getattr(SIG, field))}))
+    assert db.db_file_name(DEVICE, other) != db.db_file_name(DEVICE, base)
+    assert db.differences(current(other), current(base))  # and a checked field
 
 
 @pytest.mark.parametrize("device", ["NVIDIA H100 80GB HBM3", "NVIDIA H20", "NVIDIA-H200"])
@@ -378,8 +386,9 @@ def test_device_changes_the_file_name_or_a_checked_field(device):
 
 
 @pytest.mark.parametrize("template, changes_hash", [
-    *[(name, True) for name in KERNEL_TEMPLATES],
+    *[(name, True) for name in kernel_templates(SIG)],  # the kernels' and the unquantized weights' macros
     ("configs.py.jinja", False),  # not a kernel template: tuning results stay valid
+    ("weights_int4_group.jinja", False),  # another weight format's: results for bf16 weights stay valid
 ])
 def test_kernel_template_edit_changes_template_hash(tmp_path, template, changes_hash):
     before = db.template_hash(TEMPLATES)

@@ -14,6 +14,7 @@ import torch
 from moegen import reference as ref
 from moegen.bench.peers import EAGER_ONLY
 from moegen.bench.roofline import Ceilings, Floor, Timer, floor_of, read_only_us
+from moegen.quant.quantize import dequantize, dequantize_w13, quantize, quantize_w13
 from moegen.runtime.routing import route
 
 REFERENCE_MAX_TOKENS = 4096  # larger T are timed but not checked: the reference would cost more than the bench
@@ -43,11 +44,14 @@ class Workload:
     """One package's random experts and fresh inputs per call, drawn as every benchmark draws them:
     normal weights scaled by 1/sqrt(fan-in), normal hidden states, router logits with every
     selection clear-cut (moegen.reference.separated_router_logits) and, where the spec has one,
-    the correction bias that keeps uniform routing uniform."""
+    the correction bias that keeps uniform routing uniform. Quantized experts: the random weights
+    quantized (moegen.quant.quantize) for moegen, and what they stand for, dequantized to the model
+    dtype, for the peers (w13, w2)."""
 
     def __init__(self, pkg, device: torch.device, seed: int, w13=None, w2=None):
         m = pkg.SPEC.model
         self.pkg, self.device, self.dtype = pkg, device, pkg.KERNELS.dtype
+        self.fmt = pkg.KERNELS.weight_format
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.cpu_gen = torch.Generator().manual_seed(seed)
         h, inter, e = m.hidden_size, m.intermediate_size, m.num_experts
@@ -56,6 +60,28 @@ class Workload:
         torch.randn(self.w13.shape, generator=self.gen, out=self.w13).mul_(h ** -0.5)
         torch.randn(self.w2.shape, generator=self.gen, out=self.w2).mul_(inter ** -0.5)
         self.bias = ref.balanced_correction_bias(e, device) if m.correction_bias else None
+        self._stored: dict[int, tuple] = {}  # id(w13) -> (its storage, w2's storage)
+        if self.fmt.quantized:
+            stored = self.stored(self.w13, self.w2)
+            self.w13.copy_(dequantize_w13(stored[0], self.fmt, h, inter, self.dtype))
+            self.w2.copy_(dequantize(stored[1], self.fmt, h, inter, self.dtype))
+
+    def stored(self, w13, w2) -> tuple[dict, dict]:
+        """w13's and w2's storage in the package's format (quantized once per pair)."""
+        key = id(w13)
+        if key not in self._stored:
+            self._stored[key] = (quantize_w13(w13, self.fmt), quantize(w2, self.fmt))
+        return self._stored[key]
+
+    def kernel_call(self, x, logits, w13, w2):
+        """moegen's fused_moe on weights w13, w2 (or, quantized, on their storage and scales)."""
+        if not self.fmt.quantized:
+            return self.pkg.fused_moe(x, logits, w13, w2, correction_bias=self.bias)
+        stored13, stored2 = self.stored(w13, w2)
+        scales = {f"{proj}_{part}": value for proj, stored in (("w13", stored13), ("w2", stored2))
+                  for part, value in stored.items() if part != "weight"}
+        return self.pkg.fused_moe(x, logits, stored13["weight"], stored2["weight"], correction_bias=self.bias,
+                                  **scales)
 
     def inputs(self, tokens: int):
         """(hidden states [T, H], router logits [T, E]), fresh."""
@@ -65,14 +91,21 @@ class Workload:
                                              device=self.device)
         return x, logits
 
-    def reference(self, x, logits, w13, w2):
-        return ref.moe_reference(x, logits, w13, w2, self.pkg.KERNELS.routing, self.pkg.SPEC.model.activation,
-                                 self.bias)
+    def reference(self, x, logits, w13, w2, quantized: bool = True):
+        """The float64 reference of moegen's call (quantized experts: their storage, and for fp8
+        the activations quantized too), or with quantized=False of the peers' (the dequantized
+        weights w13, w2 as they are)."""
+        routing, activation = self.pkg.KERNELS.routing, self.pkg.SPEC.model.activation
+        if self.fmt.quantized and quantized:
+            return ref.quantized_moe_reference(x, logits, *self.stored(w13, w2), self.fmt, routing, activation,
+                                               self.bias)
+        return ref.moe_reference(x, logits, w13, w2, routing, activation, self.bias)
 
     def floor(self, logits, ceilings: Ceilings) -> Floor:
         _, ids = route(logits, self.pkg.KERNELS.routing, self.bias)
         m = self.pkg.SPEC.model
-        return floor_of(ids, m.hidden_size, m.intermediate_size, self.w13.element_size(), ceilings)
+        return floor_of(ids, m.hidden_size, m.intermediate_size, self.w13.element_size(), ceilings,
+                        m.expert_bytes, self.fmt.fp8)
 
 
 def measure_row(work: Workload, spec_name: str, tokens: int, impls: dict, ceilings: Ceilings,
@@ -88,7 +121,11 @@ def measure_row(work: Workload, spec_name: str, tokens: int, impls: dict, ceilin
     row = Row(spec_name, tokens, floor.us, floor.bound, floor.touched)
     if timer.cuda and row.bound == "memory":
         row.read_us = read_only_us(timer, floor.nbytes)
-    expected = work.reference(x, logits, work.w13, work.w2) if tokens <= REFERENCE_MAX_TOKENS else None
+    checked = tokens <= REFERENCE_MAX_TOKENS
+    expected = work.reference(x, logits, work.w13, work.w2) if checked else None
+    # The peers multiply the dequantized weights and unquantized activations.
+    peers_expected = (work.reference(x, logits, work.w13, work.w2, quantized=False)
+                      if checked and work.fmt.quantized else expected)
     for name, impl in impls.items():
         fn: Callable = functools.partial(impl, x, logits, work.w13, work.w2)
         res = row.results[name] = Measured()
@@ -102,7 +139,7 @@ def measure_row(work: Workload, spec_name: str, tokens: int, impls: dict, ceilin
                 traceback.print_exc()
             continue
         if expected is not None:
-            res.err = ref.relative_error(out, expected)
+            res.err = ref.relative_error(out, expected if name == "moegen" else peers_expected)
         res.wrong = not bool(torch.isfinite(out).all()) or (res.err is not None and res.err > tolerance)
         if res.wrong and name == "moegen":
             problems.append(f"{spec_name} T={tokens}: moegen relative error {res.err} > {tolerance}")

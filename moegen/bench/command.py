@@ -77,7 +77,7 @@ def run_bench(spec_path: str, tokens: Optional[Sequence[int]], peers: Sequence[s
     with tempfile.TemporaryDirectory(prefix="moegen-bench-") as folder:
         pkg = _build(Path(spec_path), Path(folder))
         work = Workload(pkg, device, seed=sum(map(ord, spec.name)))
-        impls = {name: fn for name, fn in implementations(pkg, work.bias).items() if name in peers}
+        impls = {name: fn for name, fn in implementations(work).items() if name in peers}
         print("measuring the ceilings...", file=sys.stderr, flush=True)
         ceilings = measure_ceilings(timer)
         rows, problems = [], []
@@ -93,9 +93,10 @@ def run_bench(spec_path: str, tokens: Optional[Sequence[int]], peers: Sequence[s
         "versions": {"torch": torch.__version__, "triton": triton.__version__,
                      "python": platform.python_version()},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "weights": spec.model.quantization,
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "read_gbps": ceilings.read_gbps,
                      "hbm_gbps": ceilings.hbm_gbps, "gemm_tflops": ceilings.gemm_tflops,
-                     "gemm_dtype": ceilings.gemm_dtype},
+                     "gemm_dtype": ceilings.gemm_dtype, "fp8_tflops": ceilings.fp8_tflops},
     }
     if as_json:
         print(json.dumps({**context, "rows": [report.row_json(row) for row in rows], "problems": problems},

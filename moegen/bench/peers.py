@@ -60,11 +60,13 @@ IMPLS = ("moegen", "naive", "grouped_mm")
 EAGER_ONLY = ("naive",)
 
 
-def implementations(pkg, bias) -> dict:
-    """name -> fn(x, logits, w13, w2) of one layer, for a generated package and its correction bias."""
+def implementations(work) -> dict:
+    """name -> fn(x, logits, w13, w2) of one layer of a Workload's package (w13, w2: the
+    unquantized weights; moegen runs quantized experts on their storage, Workload.kernel_call)."""
+    pkg, bias = work.pkg, work.bias
     m, p = pkg.SPEC.model, pkg.KERNELS.routing
     return {
-        "moegen": lambda x, logits, w13, w2: pkg.fused_moe(x, logits, w13, w2, correction_bias=bias),
+        "moegen": work.kernel_call,
         "naive": lambda x, logits, w13, w2: naive_moe(x, logits, w13, w2, p, bias, m.activation),
         "grouped_mm": lambda x, logits, w13, w2: grouped_mm_moe(x, logits, w13, w2, p, bias, m.activation),
     }

@@ -45,6 +45,7 @@ class Ceilings:
     read_gbps: float
     gemm_tflops: float  # timed like the kernels: the floor's rate
     gemm_dtype: str
+    fp8_tflops: float = 0.0  # an fp8 matmul's rate (fp8 experts' floor), where measured
 
     @property
     def hbm_gbps(self) -> float:
@@ -59,13 +60,14 @@ def measure_ceilings(timer: Timer) -> Ceilings:
 
         copy_gbps, read_gbps, _, tflops = measure()
         torch.cuda.empty_cache()
-        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16")
+        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16", measure_fp8_tflops())
     src = torch.ones(64 << 20, dtype=torch.uint8)
     t = timer.median_us(lambda: src.clone(), warmup=1, target_s=0.05)
     n = 256
     a = torch.randn(n, n)
     t_mm = timer.median_us(lambda: a @ a, warmup=1, target_s=0.05)
-    return Ceilings(2 * src.numel() / (t * 1e3), src.numel() / (t * 1e3), 2 * n ** 3 / (t_mm * 1e6), "float32")
+    rate = 2 * n ** 3 / (t_mm * 1e6)
+    return Ceilings(2 * src.numel() / (t * 1e3), src.numel() / (t * 1e3), rate, "float32", rate)
 
 
 @dataclass(frozen=True)
@@ -77,14 +79,33 @@ class Floor:
 
 
 def floor_of(topk_ids: torch.Tensor, hidden_size: int, intermediate_size: int, element_size: int,
-             ceilings: Ceilings) -> Floor:
-    """The floor of one call whose routing chose topk_ids [T, k]."""
+             ceilings: Ceilings, expert_bytes: Optional[int] = None, fp8: bool = False) -> Floor:
+    """The floor of one call whose routing chose topk_ids [T, k]: the distinct experts' bytes as
+    stored (expert_bytes; unquantized 3*H*I*element_size) and the activations in and out; the
+    products at the bf16 rate, or the fp8 rate for fp8 experts."""
     t, k = topk_ids.shape
     touched = int(torch.unique(topk_ids).numel())
-    nbytes = touched * 3 * hidden_size * intermediate_size * element_size + 2 * t * hidden_size * element_size
+    expert_bytes = expert_bytes or 3 * hidden_size * intermediate_size * element_size
+    nbytes = touched * expert_bytes + 2 * t * hidden_size * element_size
     mem_s = nbytes / (ceilings.hbm_gbps * 1e9)
-    flop_s = 6 * t * k * hidden_size * intermediate_size / (ceilings.gemm_tflops * 1e12)
+    rate = ceilings.fp8_tflops if fp8 else ceilings.gemm_tflops
+    flop_s = 6 * t * k * hidden_size * intermediate_size / (rate * 1e12)
     return Floor(max(mem_s, flop_s) * 1e6, "memory" if mem_s >= flop_s else "compute", touched, nbytes)
+
+
+def measure_fp8_tflops() -> float:
+    """TFLOP/s of an 8192^3 fp8 (e4m3) matmul with float32 scales (torch._scaled_mm, cuBLAS) on
+    random data, timed as the kernels are; 0 where this GPU or torch has none."""
+    from moegen.tune.bench import time_call_evicted
+
+    try:
+        a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS asks
+        one = torch.ones((), device="cuda")
+        us = time_call_evicted(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), on_gpu=True)
+    except (RuntimeError, TypeError):  # no fp8 tensor cores, or another _scaled_mm signature
+        return 0.0
+    return 2 * 8192 ** 3 / (us * 1e6)
 
 
 def whole_rows_numel(nbytes: int, element_size: int) -> int:

@@ -8,7 +8,7 @@ token and layer by layer exactly as the runtime would, and measures:
   reached counts as resident; whether its copy had finished in time is what ``stall_ms`` charges
   (and ``timely_hit_rate`` counts only copies that had finished).
 - ``bytes``: every byte moved host-to-GPU, demand loads and prefetches alike; one expert is
-  ``expert_bytes`` = 3 * H * I * element bytes (gate, up and down projections).
+  ``expert_bytes``: gate, up and down projections as stored (3 * H * I * element bytes unquantized).
 - ``stall_ms``: mean time per token that compute waits for expert copies, in this model:
 
   * Steps run in order, one per (token, layer). A step's compute takes ``layer_ms`` (the caller
@@ -60,11 +60,8 @@ class LinkModel:
 
 
 def expert_bytes(spec) -> int:
-    """One expert's gate, up and down projections in bytes."""
-    from moegen.ir import lower
-
-    sig = lower(spec, spec.name).signature
-    return 3 * sig.hidden_size * sig.intermediate_size * sig.element_bytes
+    """One expert's gate, up and down projections in bytes, as the spec's format stores them."""
+    return spec.model.expert_bytes
 
 
 def decode_layer_ms(spec, hbm_gbps: float) -> float:

@@ -36,13 +36,30 @@ def _mock_launch_args(ks):
 
     h, i, e = ks.hidden_size, ks.intermediate_size, ks.num_experts
     n = 1 << 20  # stands in for the token-dependent sizes, which are never specialized
+    # The weights' strides as stored (int4 packs two inputs a byte: rows of ceil(K/2)).
+    w13_rows, w13_k = ks.weight_format.w13_shapes(h, i)["weight"][1:]
+    w2_rows, w2_k = ks.weight_format.shapes(h, i)["weight"][1:]
     route = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, torch.int32, n, e, n)
     count = (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32, n, e)
     place = (torch.int32,) * 6 + (n, n)
-    gate_up = (ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n, n, h, 2 * i * h, h, i)
-    down = (torch.float32, torch.int32, torch.int32, torch.int32, n, n, n, i, h * i, i, h)
-    decode = (torch.float32, n, e, h, 2 * i * h, h, h * i, i)  # after logits, bias, x, w13, w2
+    gate_up = (ks.dtype, ks.dtype, torch.int32, torch.int32, torch.int32, n, n, n, n, h, w13_rows * w13_k, w13_k, i)
+    down = (torch.float32, torch.int32, torch.int32, torch.int32, n, n, n, i, w2_rows * w2_k, w2_k, h)
+    decode = (torch.float32, n, e, h, w13_rows * w13_k, w13_k, w2_rows * w2_k, w2_k)  # after logits, bias, x, w13, w2
     return route, count, place, gate_up, down, decode
+
+
+def _mock_scales(ks, proj: str) -> tuple:
+    """A quantized projection's scale parameters as the runtime passes them
+    (moegen.runtime.fused.weight_scales): dtypes for the tensors, their contiguous strides."""
+    from moegen.runtime.fused import stored_dtype
+
+    fmt, h, i = ks.weight_format, ks.hidden_size, ks.intermediate_size
+    if not fmt.quantized:
+        return ()
+    shape = (fmt.w13_shapes(h, i) if proj == "w13" else fmt.shapes(h, i))["scale"]
+    strides = (shape[1] * (shape[2] if len(shape) > 2 else 1), shape[2] if len(shape) > 2 else 1)
+    zero = (stored_dtype(ks, "zero" if fmt.zero_point else "scale"),) if fmt.quantization == "int4_group" else ()
+    return (stored_dtype(ks, "scale"), *zero, *strides)
 
 
 def _mock_descriptor(dtype, shape: list[int], block: list[int]):
@@ -59,8 +76,10 @@ def _mock_descriptor(dtype, shape: list[int], block: list[int]):
 
 def _operands(ks, cfg, use_tma: bool):
     """(w13 for GEMM1; inter, w2 for GEMM2): dtypes, or mock descriptors shaped as the runtime's."""
+    from moegen.runtime.fused import stored_dtype
+
     if not use_tma:
-        return ks.dtype, (ks.dtype, ks.dtype)
+        return stored_dtype(ks, "weight"), (ks.dtype, stored_dtype(ks, "weight"))
     h, i, e, d = ks.hidden_size, ks.intermediate_size, ks.num_experts, ks.dtype
     return (_mock_descriptor(d, [e, 2 * i, h], [1, cfg.block_n, cfg.block_k]),
             (_mock_descriptor(d, [1 << 20, i], [cfg.block_m, cfg.down_block_k]),
@@ -69,8 +88,10 @@ def _operands(ks, cfg, use_tma: bool):
 
 def _decode_operands(ks, cfg, use_tma: bool):
     """(w13, w2) of the decode kernel: dtypes, or mock descriptors shaped as the runtime's."""
+    from moegen.runtime.fused import stored_dtype
+
     if not use_tma:
-        return ks.dtype, ks.dtype
+        return stored_dtype(ks, "weight"), stored_dtype(ks, "weight")
     h, i, e, d = ks.hidden_size, ks.intermediate_size, ks.num_experts, ks.dtype
     return (_mock_descriptor(d, [e, 2 * i, h], [1, cfg.decode_block_n, cfg.decode_block_k]),
             _mock_descriptor(d, [e, h, i], [1, cfg.decode_block_h, cfg.decode_block_n]))
@@ -91,9 +112,11 @@ def compile_buckets(ks, launchers: bool = False) -> None:
 
     from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, dependent_launch,
                                       down_launch, l2_evict_first, multi_route_launch, pdl_supported,
-                                      single_route_launch, single_route_max_tokens, tma_possible, uses_decode)
+                                      single_route_launch, single_route_max_tokens, tma_possible, uses_decode,
+                                      uses_tma)
 
     route, count, place, gate_up, down, decode = _mock_launch_args(ks)
+    scales13, scales2 = _mock_scales(ks, "w13"), _mock_scales(ks, "w2")
     pdl = torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
     as_dependent = dependent_launch(pdl)  # the routing and GEMM kernels and the decode finish
     count_launch, place_launch = multi_route_launch(ks)
@@ -114,16 +137,16 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
                                                   TAILS_FIRST=cfg.tails_first, **place_launch, **as_dependent,
                                                   grid=(1,)))
-        use_tma = cfg.tma and tma_possible(ks)
+        use_tma = uses_tma(ks, cfg) and tma_possible(ks)
         evict_first = l2_evict_first(ks, cfg, use_tma)
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
         compiled.append(ks.gate_up.warmup(
-            ks.dtype, w13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            ks.dtype, w13, *scales13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
             USE_TMA=use_tma, L2_EVICT_FIRST=evict_first, **as_dependent, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, grid=(1,)))
         compiled.append(ks.down_reduce.warmup(
-            inter, ks.dtype, w2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
+            inter, ks.dtype, w2, *scales2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m,
             TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
             **as_dependent, **down_launch(cfg), grid=(1, 1)))
@@ -136,7 +159,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             block_ts = sorted({decode_block_t(ks, t) for t in tokens})
             for block_t, logits_dtype in itertools.product(block_ts, logits_dtypes):
                 compiled.append(ks.decode.warmup(
-                    logits_dtype, torch.float32, ks.dtype, w13, w2, *decode,
+                    logits_dtype, torch.float32, ks.dtype, w13, *scales13, w2, *scales2, *decode,
                     BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
                     BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
                     L2_EVICT_FIRST=evict_first, USE_PDL=pdl,

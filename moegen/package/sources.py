@@ -17,8 +17,9 @@ from moegen.plan.cost_model import FORMULAS, matrix_tflops
 from moegen.plan.offload import OFFLOAD_FORMULAS, OffloadPlan
 from moegen.runtime.align import EXPERT_MASK, LEFT_SHIFT, RANK_SHIFT, RUN_WRAP
 from moegen.runtime.fused import group_tile
+from moegen.errors import BuildError
 from moegen.render import (DECODE_TEMPLATE, DOT_PRECISION, DOWN_TEMPLATE, GATE_UP_TEMPLATE, ROUTE_ALIGN_TEMPLATE,
-                           TORCH_DTYPES, kernel_name, render, template_hashes)
+                           TL_DTYPES, TORCH_DTYPES, WEIGHT_FORMAT_TEMPLATES, kernel_name, render, template_hashes)
 
 
 
@@ -90,6 +91,18 @@ def offload_summary(p: OffloadPlan) -> list[tuple[str, str]]:
     ]
 
 
+def weight_summary(fmt) -> str:
+    """The experts' format in words, for the package's docstring."""
+    if not fmt.quantized:
+        return f"{fmt.dtype} weights"
+    detail = {"fp8_block": "float8_e4m3fn, a float32 scale per 128 x 128 block, fp8 activations",
+              "fp8_channel": "float8_e4m3fn, a float32 scale per output channel, fp8 activations",
+              "int4_group": f"4-bit, a {fmt.dtype} scale per {fmt.group_size} inputs"
+                            + (" with zero points" if fmt.zero_point else "")}[fmt.quantization]
+    return f"{fmt.quantization} ({detail}; w13_scale and w2_scale{', w13_zero and w2_zero' if fmt.zero_point else ''} " \
+           "go with the weights)"
+
+
 def render_sources(build: BuildPlan, versions: dict[str, str], spec_path: str | None = None) -> dict[str, str]:
     """spec_path: the spec file relative to the package's folder (recorded in the manifest)."""
     ir = build.ir
@@ -98,9 +111,14 @@ def render_sources(build: BuildPlan, versions: dict[str, str], spec_path: str | 
     names = {stage: kernel_name(stage, sig.activation, sig.dtype, sig.hidden_size,
                                 sig.intermediate_size, sig.num_experts, sig.top_k)
              for stage in ("route_align", "gate_up", "down_reduce", "decode")}
+    if sig.quantization not in WEIGHT_FORMAT_TEMPLATES:
+        raise BuildError(f"{ir.spec_file}: model.quantization {sig.quantization}: this moegen has no kernels for it "
+                         f"yet (it has: {', '.join(WEIGHT_FORMAT_TEMPLATES)}); use one of those")
     kernel_values = dict(
         header=header, hidden_size=sig.hidden_size, intermediate_size=sig.intermediate_size,
         top_k=sig.top_k, dot_precision=DOT_PRECISION[sig.dtype],
+        weight_format=WEIGHT_FORMAT_TEMPLATES[sig.quantization], group_size=sig.group_size,
+        zero_point=repr(sig.zero_point), weight_dtype=TL_DTYPES[sig.dtype],
     )
     routing_args = ", ".join(f"{k}={v!r}" for k, v in asdict(ir.routing).items())
     target = ir.target
@@ -137,6 +155,8 @@ def render_sources(build: BuildPlan, versions: dict[str, str], spec_path: str | 
             hidden_size=sig.hidden_size, intermediate_size=sig.intermediate_size,
             num_experts=sig.num_experts, top_k=sig.top_k, torch_dtype=TORCH_DTYPES[sig.dtype],
             routing_args=routing_args,
+            weight_format_args=", ".join(f"{k}={v!r}" for k, v in asdict(sig.weight_format).items()),
+            weight_summary=weight_summary(sig.weight_format),
         ),
         "REPORT.md": render(
             "report.md.jinja", header_md=f"<!-- {header[2:]} -->", name=ir.spec.name,

@@ -9,7 +9,7 @@ from moegen.ir import ModelIR
 from moegen.plan.configs import default_config
 from moegen.plan.cost_model import BucketCost, bucket_cost
 from moegen.plan.offload import OffloadPlan, plan_offload
-from moegen.render import KERNEL_TEMPLATES
+from moegen.render import kernel_templates
 from moegen.runtime.fused import KernelConfig
 
 COST_MODEL = "cost-model"
@@ -39,7 +39,7 @@ def plan(ir: ModelIR, db=None, spec_path: Optional[str] = None, strict: Optional
     sig, target = ir.signature, ir.target
     buckets = []
     for tokens in ir.spec.workload.token_buckets:
-        entry = resolve(db, target, sig, tokens, KERNEL_TEMPLATES, spec_path or ir.spec_file, strict)
+        entry = resolve(db, target, sig, tokens, kernel_templates(sig), spec_path or ir.spec_file, strict)
         config, source = ((entry.config, f"tuned:{entry.path.name}") if entry is not None
                           else (default_config(sig, target, tokens), COST_MODEL))
         buckets.append(BucketPlan(tokens, bucket_cost(sig, target, tokens), config, source))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
+from moegen.quant.formats import FP8_BLOCK
 from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.align import RUN_WRAP
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, decode_grid, pow2_at_least, tma_rows_aligned
@@ -119,7 +120,7 @@ def malformed(c: KernelConfig) -> str | None:
 def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) -> str | None:
     """Why a config cannot run well on the target (None if it can): shared memory, registers,
     tiles wider than the dimension they cover, split-K finer than the K loop."""
-    problem = malformed(c)
+    problem = malformed(c) or format_violation(c, signature)
     if problem:
         return problem
     limit, b = target.smem_per_block_kib * 1024, signature.element_bytes
@@ -137,6 +138,8 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
             > (c.down_max_registers - CAPPED_OTHER_REGISTERS) * 32 * c.down_num_warps:
         return f"GEMM2 accumulators leave too few of its {c.down_max_registers} registers"
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
+    if signature.quantization == "fp8_block":  # its K steps are whole groups, however narrow the dimension
+        h, i = max(h, FP8_BLOCK), max(i, FP8_BLOCK)
     if c.block_n > max(16, i) or c.block_k > max(16, h) or c.down_block_n > max(16, h) or c.down_block_k > max(16, i):
         return "tile wider than the dimension it covers"
     if c.split_k > 1 and (signature.intermediate_size + c.down_block_k - 1) // c.down_block_k < 2 * c.split_k:
@@ -149,6 +152,35 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         if c.decode_block_n > max(16, i) or c.decode_block_k > max(16, h) or c.decode_block_h > max(16, h):
             return "decode tile wider than the dimension it covers"
     return None
+
+
+def format_violation(c: KernelConfig, signature: KernelSignature) -> str | None:
+    """Why a config cannot run the signature's weight format (None if it can): quantized weights
+    are read with plain loads; fp8_block's K steps are its 128-wide groups (and the decode kernel's
+    slices of I too, whose intermediate it quantizes per group)."""
+    fmt = signature.weight_format
+    if fmt.quantized and (c.tma or c.l2_evict_first):
+        return f"{fmt.quantization} weights are read with plain loads: tma and l2_evict_first off"
+    if fmt.quantization == "fp8_block":
+        steps = {"block_k": c.block_k, "down_block_k": c.down_block_k}
+        if c.decode_block_n:
+            steps.update(decode_block_k=c.decode_block_k, decode_block_n=c.decode_block_n)
+        wrong = [f"{name} {value}" for name, value in steps.items() if value != FP8_BLOCK]
+        if wrong:
+            return f"fp8_block multiplies {FP8_BLOCK}-wide groups: {', '.join(wrong)} must be {FP8_BLOCK}"
+    return None
+
+
+def fit_format(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
+    """The config made to run the signature's weight format (format_violation), else as it is."""
+    fmt = signature.weight_format
+    if fmt.quantized:
+        c = replace(c, tma=False, l2_evict_first=False)
+    if fmt.quantization == "fp8_block":
+        c = replace(c, block_k=FP8_BLOCK, down_block_k=FP8_BLOCK)
+        if c.decode_block_n:
+            c = replace(c, decode_block_k=FP8_BLOCK, decode_block_n=FP8_BLOCK)
+    return c
 
 
 def descriptors_possible(signature: KernelSignature, target: GpuTarget) -> bool:
@@ -232,7 +264,7 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, t
                          **dict(DECODE_DEFAULT, decode_block_n=decode_slice_columns(signature, target, tokens)))
     elif target.arch >= 90 and cost.compute_us < TWO_STREAMS_MAX_COMPUTE_US:
         config = replace(config, streams=2)
-    config = clamp_tiles(config, signature)
+    config = fit_format(clamp_tiles(config, signature), signature)
     # Shrink pipelining until the stages fit shared memory (fp32 tiles are twice as large).
     while violation(config, signature, target) and min(config.num_stages, config.down_num_stages,
                                                         config.decode_num_stages) > 1:

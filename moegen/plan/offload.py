@@ -16,12 +16,12 @@ import sympy
 
 from moegen.errors import SpecError
 from moegen.ir import ModelIR
-from moegen.plan.cost_model import B, E, H, I, K, matrix_tflops
+from moegen.plan.cost_model import B, E, H, I, K, W, expert_bytes, matrix_tflops
 from moegen.spec.loader import expert_memory_shortfall
 from moegen.target import expert_memory_gib
 
 HBM, LINK, RATE = sympy.symbols("HBM_GBps LINK_GBps RATE_TFLOPs", positive=True)
-EXPERT_BYTES = 3 * H * I * B
+EXPERT_BYTES = W  # as stored: 3*H*I*b unquantized (moegen/plan/cost_model.py)
 # One decode token through one MoE layer: k experts streamed from HBM (or k GEMV FLOPs).
 LAYER_COMPUTE_US = sympy.Max(K * EXPERT_BYTES / (HBM * 1e3), 6 * K * H * I / (RATE * 1e6))
 TRANSFER_US = EXPERT_BYTES / (LINK * 1e3)
@@ -56,7 +56,7 @@ class OffloadPlan:
 def _sizes(ir: ModelIR) -> dict:
     m, sig, t = ir.spec.model, ir.signature, ir.target
     return {H: m.hidden_size, I: m.intermediate_size, E: m.num_experts, K: m.top_k, B: sig.element_bytes,
-            HBM: t.hbm_gbps, LINK: t.host_link_gbps, RATE: matrix_tflops(sig, t)}
+            W: expert_bytes(sig), HBM: t.hbm_gbps, LINK: t.host_link_gbps, RATE: matrix_tflops(sig, t)}
 
 
 def _allocate(total: int, layers: int, top_k: int, experts: int,

@@ -16,9 +16,25 @@ ROUTE_ALIGN_TEMPLATE = "moe_route_align.py.jinja"
 GATE_UP_TEMPLATE = "moe_gate_up.py.jinja"
 DOWN_TEMPLATE = "moe_down_reduce.py.jinja"
 DECODE_TEMPLATE = "moe_decode.py.jinja"
-# The templates whose text shapes the compiled kernels (and so the tuning results).
+# The templates whose text shapes the compiled kernels (and so the tuning results), with the
+# weight format's macros (kernel_templates).
 KERNEL_TEMPLATES = (ROUTE_ALIGN_TEMPLATE, GATE_UP_TEMPLATE, DOWN_TEMPLATE, DECODE_TEMPLATE)
+# How each weight format loads a weight tile and its scales and turns them into MMA operands:
+# the macros the kernel templates import (templates/weights_none.jinja documents them).
+WEIGHT_FORMAT_TEMPLATES = {q: f"weights_{q}.jinja" for q in ("none", "fp8_block", "int4_group")}
 
+def kernel_templates(signature) -> tuple[str, ...]:
+    """The templates a signature's kernels are rendered from: the kernels' and its weight format's."""
+    return format_templates(signature.quantization)
+
+
+def format_templates(quantization: str) -> tuple[str, ...]:
+    """The kernel templates and those of a weight format (unknown to this moegen: the kernels' alone)."""
+    weights = WEIGHT_FORMAT_TEMPLATES.get(quantization)
+    return KERNEL_TEMPLATES + ((weights,) if weights else ())
+
+
+TL_DTYPES = {"bfloat16": "tl.bfloat16", "float16": "tl.float16", "float32": "tl.float32"}
 TORCH_DTYPES = {"bfloat16": "_torch.bfloat16", "float16": "_torch.float16", "float32": "_torch.float32"}
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # float32 models use exact fp32 products: tf32 would miss the 1e-4 accuracy bar.

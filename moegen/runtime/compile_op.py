@@ -21,11 +21,15 @@ def kernel_set_key(ks: fused.KernelSet) -> int:
 
 @torch.library.custom_op("moegen::fused_moe", mutates_args=())
 def fused_moe_op(kernels: int, hidden_states: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                 w2: torch.Tensor, correction_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 w2: torch.Tensor, correction_bias: Optional[torch.Tensor] = None,
+                 w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                 w13_zero: Optional[torch.Tensor] = None, w2_zero: Optional[torch.Tensor] = None) -> torch.Tensor:
     return fused.fused_moe(_KERNEL_SETS[kernels], hidden_states, router_logits, w13, w2,
-                           correction_bias=correction_bias)
+                           correction_bias=correction_bias, w13_scale=w13_scale, w2_scale=w2_scale,
+                           w13_zero=w13_zero, w2_zero=w2_zero)
 
 
 @fused_moe_op.register_fake
-def _fused_moe_shape(kernels, hidden_states, router_logits, w13, w2, correction_bias=None):
+def _fused_moe_shape(kernels, hidden_states, router_logits, w13, w2, correction_bias=None, w13_scale=None,
+                     w2_scale=None, w13_zero=None, w2_zero=None):
     return hidden_states.new_empty((hidden_states.shape[0], _KERNEL_SETS[kernels].hidden_size))

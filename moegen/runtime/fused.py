@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from moegen import knobs
+from moegen.quant.formats import WeightFormat
 from moegen.runtime.align import Alignment, align_tokens, aligned_rows, expected_blocks, max_padded_slots
 from moegen.runtime.launch import launch
 from moegen.runtime.routing import RoutingParams
@@ -125,6 +126,8 @@ class KernelSet:
     # Whether the kernels run in Triton's interpreter: decided when the package was imported
     # (None: read from the kernels; dataclasses.replace keeps what was read).
     interpreted: Optional[bool] = None
+    # How the experts' weights are stored (the spec's quantization): the kernels were rendered for it.
+    weight_format: WeightFormat = WeightFormat()
 
     def __post_init__(self):
         settle_cache_keys((self.route_align, self.route_count, self.route_place, self.gate_up,
@@ -281,16 +284,73 @@ def _check(name: str, tensor: torch.Tensor, shape: tuple, dtype, device):
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
 
 
+@dataclass(frozen=True)
+class WeightScales:
+    """The scales (and zero points) of quantized weights, as the kernels take them after each
+    projection's weight: a format's tensors and their two outer strides (empty for unquantized
+    weights: the kernels then have no such parameters)."""
+
+    w13: tuple = ()
+    w2: tuple = ()
+
+
+NO_SCALES = WeightScales()
+
+
+def stored_dtype(ks: KernelSet, name: str) -> torch.dtype:
+    """The dtype of a projection's stored tensor `name` (weight, scale, zero) in the kernels' format."""
+    fmt = ks.weight_format
+    if name == "weight":
+        return {"none": ks.dtype, "int4_group": torch.uint8}.get(fmt.quantization, torch.float8_e4m3fn)
+    if name == "zero":
+        return torch.uint8
+    return torch.float32 if fmt.fp8 else ks.dtype  # int4's scales: the model dtype
+
+
+def _check_projection(ks: KernelSet, name: str, tensors: dict, shapes: dict, device) -> None:
+    """One projection's stored tensors checked against the format's shapes and dtypes."""
+    for part, shape in shapes.items():
+        label = name if part == "weight" else f"{name}_{part}"
+        value = tensors.get(part)
+        if value is None and part != "weight":
+            raise ValueError(f"{label}: missing; this package's experts are {ks.weight_format.quantization} "
+                             f"(moegen/quant/formats.py): pass {label}=[{', '.join(map(str, shape))}] "
+                             f"{stored_dtype(ks, part)}")
+        _check(label, value, shape, stored_dtype(ks, part), device)
+    extra = sorted(f"{name}_{part}" for part, value in tensors.items() if value is not None and part not in shapes)
+    if extra:
+        raise ValueError(f"{', '.join(extra)}: this package's experts are {ks.weight_format.quantization}, which has "
+                         "no such tensor; leave it out")
+
+
+def _projection_scales(ks: KernelSet, scale, zero) -> tuple:
+    """A projection's scales and zero points as the kernels take them (templates/weights_*.jinja's
+    params): the tensors, then the scales' two outer strides (zero points share their layout)."""
+    if scale is None:  # unquantized
+        return ()
+    scale = scale.contiguous()
+    strides = (scale.stride(0), scale.stride(1))
+    if ks.weight_format.quantization == "int4_group":  # symmetric: the scales stand in for the unused zeros
+        return (scale, scale if zero is None else zero.contiguous(), *strides)
+    return (scale, *strides)
+
+
+def weight_scales(ks: KernelSet, w13_scale=None, w2_scale=None, w13_zero=None, w2_zero=None) -> WeightScales:
+    return WeightScales(_projection_scales(ks, w13_scale, w13_zero), _projection_scales(ks, w2_scale, w2_zero))
+
+
 def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[int] = None,
-                  names: tuple[str, str] = ("w13", "w2")) -> None:
+                  names: tuple[str, str] = ("w13", "w2"), w13_scale=None, w2_scale=None, w13_zero=None,
+                  w2_zero=None) -> None:
     _check_tensor("hidden_states", hidden_states)
     h, i = ks.hidden_size, ks.intermediate_size
     e = ks.num_experts if num_experts is None else num_experts
     device = hidden_states.device
     tokens = hidden_states.shape[0] if hidden_states.dim() == 2 else "T"
     _check("hidden_states", hidden_states, (tokens, h), ks.dtype, device)
-    _check(names[0], w13, (e, 2 * i, h), ks.dtype, device)
-    _check(names[1], w2, (e, h, i), ks.dtype, device)
+    fmt = ks.weight_format
+    _check_projection(ks, names[0], dict(weight=w13, scale=w13_scale, zero=w13_zero), fmt.w13_shapes(h, i, e), device)
+    _check_projection(ks, names[1], dict(weight=w2, scale=w2_scale, zero=w2_zero), fmt.shapes(h, i, e), device)
     if device.type == "meta":
         raise ValueError("hidden_states and the weights are on the meta device (shapes without data); give the "
                          "kernels real tensors: a layer built on meta needs .to_empty(device='cuda') and its weights")
@@ -327,12 +387,13 @@ def _descriptor(tensor: torch.Tensor, block_shape: list[int]):
     return TensorDescriptor.from_tensor(tensor, block_shape)
 
 
-def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2):
+def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, w13, w2,
+                 scales: WeightScales):
     hidden_states, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
     inter = torch.empty((aligned.sorted_slots.numel(), ks.intermediate_size), dtype=ks.dtype,
                         device=hidden_states.device)
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
-    weight_args = _weight_args(ks, cfg, w13, w2, inter)
+    weight_args = _weight_args(ks, cfg, w13, w2, inter, scales)
     run = functools.partial(_gemms, ks, cfg, hidden_states, weights, aligned, weight_args, inter, out)
     num_blocks = aligned.max_padded // cfg.block_m
     if cfg.streams == 1:
@@ -411,14 +472,21 @@ class _WeightArgs:
     w2_strides: tuple[int, int]
     tma: bool
     evict_first: bool
+    scales: WeightScales = NO_SCALES
 
 
-def _weight_args(ks: KernelSet, cfg: KernelConfig, w13, w2, inter) -> _WeightArgs:
-    if cfg.tma and tma_compatible(w13, w2, inter):  # inter's halves start at whole rows: aligned too
+def uses_tma(ks: KernelSet, cfg: KernelConfig) -> bool:
+    """Descriptors where the config asks for them and the weights are unquantized: quantized
+    weights are read with plain loads (their tiles are dequantized in registers)."""
+    return cfg.tma and not ks.weight_format.quantized
+
+
+def _weight_args(ks: KernelSet, cfg: KernelConfig, w13, w2, inter, scales: WeightScales) -> _WeightArgs:
+    if uses_tma(ks, cfg) and tma_compatible(w13, w2, inter):  # inter's halves start at whole rows: aligned too
         return _WeightArgs(_descriptor(w13, [1, cfg.block_n, cfg.block_k]),
                            _descriptor(w2, [1, cfg.down_block_n, cfg.down_block_k]), w13.stride()[:2],
                            w2.stride()[:2], True, l2_evict_first(ks, cfg, True))
-    return _WeightArgs(w13, w2, w13.stride()[:2], w2.stride()[:2], False, False)
+    return _WeightArgs(w13, w2, w13.stride()[:2], w2.stride()[:2], False, False, scales)
 
 
 def l2_evict_first(ks: KernelSet, cfg: KernelConfig, use_tma: bool) -> bool:
@@ -446,7 +514,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     dependent = dependent_launch(pdl_supported(hidden_states.device))
     inter_arg = _descriptor(inter, [bm, cfg.down_block_k]) if wargs.tma else inter
     launch(ks.gate_up, ((end - first) * _cdiv(i, cfg.block_n),), stream,
-           hidden_states, wargs.w13, inter, out,
+           hidden_states, wargs.w13, *wargs.scales.w13, inter, out,
            sorted_slots, block_runs, aligned.num_padded,
            num_tokens * ks.top_k, max_padded, 0 if first else num_tokens, first * bm,
            hidden_states.stride(0), *wargs.w13_strides, inter.stride(0),
@@ -458,7 +526,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     if wait_for is not None:
         stream.wait_event(wait_for)
     launch(ks.down_reduce, ((end - first) * _cdiv(h, cfg.down_block_n), cfg.split_k), stream,
-           inter_arg, inter, wargs.w2, out, weights,
+           inter_arg, inter, wargs.w2, *wargs.scales.w2, out, weights,
            sorted_slots, block_runs, aligned.num_padded,
            num_tokens * ks.top_k, max_padded, first * bm,
            inter.stride(0), *wargs.w2_strides, out.stride(0),
@@ -514,11 +582,14 @@ def down_launch(cfg: KernelConfig) -> dict:
     return options
 
 
-def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
-                  config: Optional[KernelConfig] = None) -> torch.Tensor:
-    """The experts for a routing chosen by the caller: [T,H]."""
-    _check_inputs(ks, hidden_states, w13, w2)
-    return _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, ks.num_experts, config)
+def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2, *, w13_scale=None, w2_scale=None,
+                  w13_zero=None, w2_zero=None, config: Optional[KernelConfig] = None) -> torch.Tensor:
+    """The experts for a routing chosen by the caller: [T,H]. Quantized experts take their scales
+    (and zero points) as the format stores them (moegen/quant/formats.py)."""
+    _check_inputs(ks, hidden_states, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero,
+                  w2_zero=w2_zero)
+    return _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, ks.num_experts, config,
+                    weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero))
 
 
 def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool,
@@ -527,10 +598,10 @@ def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids,
     indices: what the offload runtime runs, without gathering weights into a per-step tensor."""
     slots = w13_pool.shape[0]
     _check_inputs(ks, hidden_states, w13_pool, w2_pool, slots, names=("w13_pool", "w2_pool"))
-    return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config)
+    return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config, NO_SCALES)
 
 
-def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config):
+def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config, scales: WeightScales):
     num_tokens, device = hidden_states.shape[0], hidden_states.device
     _check("topk_weights", topk_weights, (num_tokens, ks.top_k), FLOATING, device)
     _check("topk_ids", topk_ids, (num_tokens, ks.top_k), INTEGER, device)
@@ -539,7 +610,7 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
     cfg = config or ks.config_for(num_tokens)
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m, cfg.tails_first)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
+    return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2, scales)
 
 
 def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int, tail_m: int = 0,
@@ -612,14 +683,15 @@ def decode_workspace(hidden_size: int, device: torch.device) -> torch.Tensor:
     return work
 
 
-def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2):
+def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2,
+            scales: WeightScales):
     num_tokens, device = hidden_states.shape[0], hidden_states.device
     h, i = ks.hidden_size, ks.intermediate_size
     x, logits, w13, w2 = hidden_states.contiguous(), router_logits.contiguous(), w13.contiguous(), w2.contiguous()
     work = decode_workspace(h, device)
     bias = correction_bias.contiguous() if correction_bias is not None else work  # unused pointer
     out = torch.empty((num_tokens, h), dtype=ks.dtype, device=device)
-    use_tma = cfg.tma and tma_compatible(w13, w2)
+    use_tma = uses_tma(ks, cfg) and tma_compatible(w13, w2)
     if use_tma:
         w13_arg = _descriptor(w13, [1, cfg.decode_block_n, cfg.decode_block_k])
         w2_arg = _descriptor(w2, [1, cfg.decode_block_h, cfg.decode_block_n])
@@ -627,7 +699,7 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
         w13_arg, w2_arg = w13, w2
     pdl = pdl_supported(device)
     launch(ks.decode, decode_grid(num_tokens, ks.top_k, ks.num_experts, i, cfg.decode_block_n), None,
-           logits, bias, x, w13_arg, w2_arg, work,
+           logits, bias, x, w13_arg, *scales.w13, w2_arg, *scales.w2, work,
            num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
            BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
            BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
@@ -638,10 +710,13 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
     return out
 
 
-def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correction_bias=None,
-              config: Optional[KernelConfig] = None):
-    """Route, then run the experts: [T,H]. No host synchronization."""
-    _check_inputs(ks, hidden_states, w13, w2)
+def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correction_bias=None, w13_scale=None,
+              w2_scale=None, w13_zero=None, w2_zero=None, config: Optional[KernelConfig] = None):
+    """Route, then run the experts: [T,H]. No host synchronization. Quantized experts take their
+    scales (and zero points) as the format stores them (moegen/quant/formats.py)."""
+    _check_inputs(ks, hidden_states, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero,
+                  w2_zero=w2_zero)
+    scales = weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero)
     num_tokens = hidden_states.shape[0]
     _check("router_logits", router_logits, (num_tokens, ks.num_experts), FLOATING, hidden_states.device)
     if ks.routing.correction_bias:
@@ -655,7 +730,7 @@ def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correctio
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
     if uses_decode(cfg, num_tokens):
-        return _decode(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2)
+        return _decode(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2, scales)
     # A host-paced eager call of a decode batch whose bucket runs the three-kernel path (routing,
     # GEMM1, GEMM2: four or five launches) takes the decode kernel of the largest bucket that
     # has one (two launches): 40-70% less host time per call on the H200's host, for up to 8%
@@ -665,14 +740,15 @@ def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correctio
     if config is None and lean is not None and num_tokens <= DECODE_MAX_TOKENS and _eager(hidden_states):
         device = hidden_states.device
         if _host_paced(device):
-            out = _decode(ks, ks.configs[lean], hidden_states, router_logits, correction_bias, w13, w2)
+            out = _decode(ks, ks.configs[lean], hidden_states, router_logits, correction_bias, w13, w2, scales)
         else:
-            out = _route_and_run(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2)
+            out = _route_and_run(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2, scales)
         _record_call_end(device)
         return out
-    return _route_and_run(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2)
+    return _route_and_run(ks, cfg, hidden_states, router_logits, correction_bias, w13, w2, scales)
 
 
-def _route_and_run(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2):
+def _route_and_run(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2,
+                   scales: WeightScales):
     weights, aligned = route_and_align(ks, router_logits, correction_bias, cfg.block_m, cfg.tail_m, cfg.tails_first)
-    return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2)
+    return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2, scales)

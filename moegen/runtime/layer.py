@@ -30,7 +30,12 @@ class Router(torch.nn.Linear):
 
 
 class MoELayerBase(torch.nn.Module):
-    """For inference: the kernels have no backward, so no parameter asks for a gradient."""
+    """For inference: the kernels have no backward, so no parameter asks for a gradient.
+
+    Quantized experts (the spec's quantization) hold each projection as its format stores it
+    (moegen/quant/formats.py): `w13`/`w2` the quantized weights, `w13_scale`/`w2_scale` their
+    scales and, with zero points, `w13_zero`/`w2_zero`. Unquantized checkpoints are quantized as
+    they load (round to nearest, moegen.quant.quantize)."""
 
     kernels: fused.KernelSet
     spec = None
@@ -45,8 +50,15 @@ class MoELayerBase(torch.nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.gate = Router(m.hidden_size, m.num_experts, getattr(torch, m.router_dtype) if m.router_dtype else dtype,
                            device)
-        self.w13 = torch.nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **factory))
-        self.w2 = torch.nn.Parameter(torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **factory))
+        fmt = self.kernels.weight_format
+        shapes = {"w13": fmt.w13_shapes(m.hidden_size, m.intermediate_size, m.num_experts),
+                  "w2": fmt.shapes(m.hidden_size, m.intermediate_size, m.num_experts)}
+        for proj, parts in shapes.items():
+            for part, shape in parts.items():
+                name = proj if part == "weight" else f"{proj}_{part}"
+                stored = fused.stored_dtype(self.kernels, part)
+                setattr(self, name, torch.nn.Parameter(torch.empty(shape, device=device, dtype=stored),
+                                                       requires_grad=False))
         # DeepSeek-V3 keeps its selection bias in float32.
         self.correction_bias = (
             torch.nn.Parameter(torch.zeros(m.num_experts, device=device, dtype=torch.float32),
@@ -64,11 +76,35 @@ class MoELayerBase(torch.nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         m = self.spec.model
-        for weight, fan_in in ((self.gate.weight, m.hidden_size), (self.w13, m.hidden_size),
-                               (self.w2, m.intermediate_size), (self.shared_w13, m.hidden_size),
-                               (self.shared_w2, max(m.shared_intermediate_size, 1))):
+        quantized = self.kernels.weight_format.quantized
+        if quantized:  # drawn unquantized, then quantized
+            staging = dict(device=self.gate.weight.device, dtype=self.kernels.dtype)
+            w13 = torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **staging)
+            w2 = torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **staging)
+        else:
+            w13, w2 = self.w13, self.w2
+        for weight, fan_in in ((self.gate.weight, m.hidden_size), (w13, m.hidden_size), (w2, m.intermediate_size),
+                               (self.shared_w13, m.hidden_size), (self.shared_w2, max(m.shared_intermediate_size, 1))):
             if weight is not None:
                 weight.normal_(0.0, fan_in ** -0.5)
+        if quantized:
+            self.set_experts(w13, w2)
+
+    @torch.no_grad()
+    def set_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Every expert from unquantized weights w13 [E, 2I, H] (gate rows, then up) and w2
+        [E, H, I], quantized as the spec's format stores them."""
+        from moegen.quant.quantize import quantize, quantize_w13
+
+        fmt = self.kernels.weight_format
+        for proj, stored in (("w13", quantize_w13(w13, fmt)), ("w2", quantize(w2, fmt))):
+            for part, value in stored.items():
+                getattr(self, proj if part == "weight" else f"{proj}_{part}").copy_(value)
+
+    def expert_scales(self) -> dict:
+        """The quantized experts' scales (and zero points) as fused_moe takes them (empty: unquantized)."""
+        return {name: getattr(self, name) for name in ("w13_scale", "w2_scale", "w13_zero", "w2_zero")
+                if hasattr(self, name)}
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self.shared_w13)
@@ -81,38 +117,59 @@ class MoELayerBase(torch.nn.Module):
         if hidden_states.dim() == 0 or shape[-1] != h or hidden_states.dtype != self.kernels.dtype:
             raise ValueError(f"hidden_states: expected [..., {h}] {self.kernels.dtype}, got {list(shape)} "
                              f"{hidden_states.dtype}")
-        if self.w13.dtype != self.kernels.dtype:
-            raise ValueError(f"w13 is {self.w13.dtype}: this package's kernels run {self.kernels.dtype}; do not "
-                             "convert the layer (.to(dtype), .double(), ...)")
+        if self.w13.dtype != fused.stored_dtype(self.kernels, "weight"):
+            raise ValueError(f"w13 is {self.w13.dtype}: this package's kernels take "
+                             f"{fused.stored_dtype(self.kernels, 'weight')}; do not convert the layer (.to(dtype), "
+                             ".double(), ...)")
         x = hidden_states.reshape(-1, h)
         router_logits = self.gate(x)
+        scales = self.expert_scales()
         if torch.compiler.is_compiling():  # one opaque operator in the traced graph
-            out = compile_op.fused_moe_op(self.kernels_key, x, router_logits, self.w13, self.w2, self.correction_bias)
+            out = compile_op.fused_moe_op(self.kernels_key, x, router_logits, self.w13, self.w2, self.correction_bias,
+                                          **scales)
         else:  # eager: no dispatcher on the host's path
             out = fused.fused_moe(self.kernels, x, router_logits, self.w13, self.w2,
-                                  correction_bias=self.correction_bias)
+                                  correction_bias=self.correction_bias, **scales)
         if self.shared_w13 is not None:
             out = out + self.shared_output(x)
         return out.view(shape)
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+    def load_hf_state_dict(self, state_dict: dict, prefix: str = "", quant_method: Optional[str] = None) -> None:
         """Load a Hugging Face MoE block: `gate.weight`; the experts per expert as checkpoints
         store them, `experts.{e}.w1/w3/w2.weight` (Mixtral) or
         `experts.{e}.gate_proj/up_proj/down_proj.weight`, or stacked as a transformers 5 module
         holds them, `experts.gate_up_proj` [E, 2I, H] (gate first) and `experts.down_proj`
         [E, H, I]; optional `gate.e_score_correction_bias` and
         `shared_experts.gate_proj/up_proj/down_proj.weight`.
+        Quantized experts (the package's spec has a quantization) also load from quantized
+        checkpoints' per-expert tensors, repacked into the spec's format (moegen/quant/checkpoint.py):
+        quant_method "fp8", "awq", "gptq" or "compressed-tensors" as the checkpoint's
+        `quantization_config.quant_method` names it, or None to tell it from the tensors present.
+        Unquantized expert weights are quantized as they load (round to nearest).
         Every tensor is checked (present, exact shape: no broadcasting) before any is copied, so a
         checkpoint that does not fit leaves the layer as it was."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")
-        targets = {prefix + name: dest for name, dest in self._hf_targets(state_dict, prefix)}
+        # Quantized experts load into unquantized staging tensors, quantized once every one is in,
+        # or, from a quantized checkpoint, into staging copies of their storage.
+        quantized = self.kernels.weight_format.quantized
+        m = self.spec.model
+        method = self._checkpoint_method(state_dict, prefix, quant_method) if quantized else None
+        if method is not None:
+            w13 = w2 = None
+        elif quantized:
+            staging = dict(device=self.gate.weight.device, dtype=self.kernels.dtype)
+            w13 = torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **staging)
+            w2 = torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **staging)
+        else:
+            w13, w2 = self.w13, self.w2
+        targets = {prefix + name: dest for name, dest in self._hf_targets(state_dict, prefix, w13, w2)}
+        stored, used = self._repacked_experts(state_dict, prefix, method) if method else ({}, set())
         missing = [key for key in targets if key not in state_dict]
         if missing:
             raise KeyError(f"state dict has no {missing[0]!r} (prefix {prefix!r})"
                            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}")
-        m = self.spec.model
         for key, dest in targets.items():
             value = state_dict[key]
             fused._check_tensor(key, value)
@@ -124,30 +181,83 @@ class MoELayerBase(torch.nn.Module):
                 raise ValueError(f"{key}: expected shape {list(dest.shape)}, got {list(state_dict[key].shape)}; "
                                  f"the checkpoint does not fit {self.spec.name} (hidden_size {m.hidden_size}, "
                                  f"intermediate_size {m.intermediate_size}, num_experts {m.num_experts})")
-        unused = sorted(k for k in state_dict if k.startswith(prefix) and k not in targets)
+        unused = sorted(k for k in state_dict if k.startswith(prefix) and k not in targets and k not in used)
         if unused:
             raise KeyError(f"state dict keys this layer does not use: {unused[:5]}"
                            f"{' ...' if len(unused) > 5 else ''}")
         for key, dest in targets.items():
             dest.copy_(state_dict[key])
+        for name, value in stored.items():
+            getattr(self, name).copy_(value)
+        if quantized and method is None:
+            self.set_experts(w13, w2)
 
-    def _hf_targets(self, state_dict: dict, prefix: str) -> list[tuple[str, torch.Tensor]]:
-        """(checkpoint name without the prefix, the part of a parameter it fills), in load order."""
+    def _expert_names(self, state_dict: dict, prefix: str) -> tuple[str, str, str]:
+        """The checkpoint's names of gate, up and down (Mixtral's w1/w3/w2 or gate/up/down_proj)."""
+        for names in PROJECTION_NAMES.values():
+            if any(key.startswith(f"{prefix}experts.0.{names[0]}.") for key in state_dict):
+                return names
+        raise KeyError(f"state dict has no {prefix}experts.0.w1.weight, {prefix}experts.0.gate_proj.weight "
+                       f"nor {prefix}experts.gate_up_proj")
+
+    def _checkpoint_method(self, state_dict: dict, prefix: str, quant_method: Optional[str]) -> Optional[str]:
+        """The layout of a quantized checkpoint's experts (None: unquantized weights, to quantize)."""
+        from moegen.quant.checkpoint import METHODS, CheckpointError, infer_method
+
+        if quant_method is not None and quant_method not in METHODS:
+            raise CheckpointError(f"quant_method {quant_method!r}: moegen reads {', '.join(METHODS)}, or None to tell "
+                                  "it from the tensors")
+        if prefix + "experts.gate_up_proj" in state_dict:  # a transformers module's unquantized experts
+            return None
+        first = f"{prefix}experts.0.{self._expert_names(state_dict, prefix)[0]}."
+        found = infer_method(key[len(first):] for key in state_dict if key.startswith(first))
+        if quant_method is not None and found is not None and found != quant_method:
+            raise CheckpointError(f"{first}*: the tensors are {found}'s layout, not {quant_method}'s")
+        return quant_method or found
+
+    def _repacked_experts(self, state_dict: dict, prefix: str, method: str) -> tuple[dict, set]:
+        """({parameter name: staged value}, the checkpoint keys read) of every expert's quantized
+        projections, repacked (nothing is written to the layer yet)."""
+        from moegen.quant.checkpoint import repack
+
+        m, fmt = self.spec.model, self.kernels.weight_format
+        h, inter = m.hidden_size, m.intermediate_size
+        stored = {name: torch.empty_like(param) for name, param in self.named_parameters()
+                  if name.split("_")[0] in ("w13", "w2")}
+        used = set()
+        # fp8 blocks restart at the up projection's first row: its block rows follow the gate's.
+        half = stored["w13_scale"].shape[1] // 2 if fmt.quantization == "fp8_block" else inter
+        gate_name, up_name, down_name = self._expert_names(state_dict, prefix)
+        for e in range(m.num_experts):
+            for proj, name, rows, scale_rows, n, k in (
+                    ("w13", gate_name, slice(0, inter), slice(0, half), inter, h),
+                    ("w13", up_name, slice(inter, 2 * inter), slice(half, None), inter, h),
+                    ("w2", down_name, slice(None), slice(None), h, inter)):
+                base = f"{prefix}experts.{e}.{name}."
+                tensors = {key[len(base):]: state_dict[key] for key in state_dict if key.startswith(base)}
+                used.update(base + suffix for suffix in tensors)
+                for part, value in repack(tensors, method, fmt, n, k, base[:-1]).items():
+                    target = proj if part == "weight" else f"{proj}_{part}"
+                    stored[target][e, rows if part == "weight" or fmt.quantization != "fp8_block" else scale_rows] \
+                        = value.to(stored[target].device)
+        return stored, used
+
+    def _hf_targets(self, state_dict: dict, prefix: str, w13: torch.Tensor,
+                    w2: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(checkpoint name without the prefix, the part of a tensor it fills), in load order; the
+        experts' go into w13 and w2 (the parameters, or staging tensors of quantized experts)."""
         targets = [("gate.weight", self.gate.weight)]
-        if prefix + "experts.gate_up_proj" in state_dict:
-            targets += [("experts.gate_up_proj", self.w13), ("experts.down_proj", self.w2)]
+        if w13 is None:  # a quantized checkpoint's experts, which _repacked_experts reads
+            pass
+        elif prefix + "experts.gate_up_proj" in state_dict:
+            targets += [("experts.gate_up_proj", w13), ("experts.down_proj", w2)]
         else:
-            names = next((n for n in PROJECTION_NAMES.values() if prefix + f"experts.0.{n[0]}.weight" in state_dict),
-                         None)
-            if names is None:
-                raise KeyError(f"state dict has no {prefix}experts.0.w1.weight, {prefix}experts.0.gate_proj.weight "
-                               f"nor {prefix}experts.gate_up_proj")
-            gate_name, up_name, down_name = names
+            gate_name, up_name, down_name = self._expert_names(state_dict, prefix)
             inter = self.spec.model.intermediate_size
             for e in range(self.spec.model.num_experts):
-                targets += [(f"experts.{e}.{gate_name}.weight", self.w13[e, :inter]),
-                            (f"experts.{e}.{up_name}.weight", self.w13[e, inter:]),
-                            (f"experts.{e}.{down_name}.weight", self.w2[e])]
+                targets += [(f"experts.{e}.{gate_name}.weight", w13[e, :inter]),
+                            (f"experts.{e}.{up_name}.weight", w13[e, inter:]),
+                            (f"experts.{e}.{down_name}.weight", w2[e])]
         if self.correction_bias is not None:
             targets.append(("gate.e_score_correction_bias", self.correction_bias))
         if self.shared_w13 is not None:

@@ -82,7 +82,10 @@ class OffloadedMoE:
         if (plan.num_experts, plan.top_k) != (kernels.num_experts, kernels.top_k):
             raise ValueError(f"the plan routes top-{plan.top_k} of {plan.num_experts} experts, the kernels top-"
                              f"{kernels.top_k} of {kernels.num_experts}: plan the spec the package was built from")
-        expert_bytes = 3 * kernels.hidden_size * kernels.intermediate_size * kernels.dtype.itemsize
+        if kernels.weight_format.quantized:
+            raise ValueError(f"the package's experts are {kernels.weight_format.quantization}: the offload runtime "
+                             "moves unquantized experts only so far; build the spec with quantization: none to offload")
+        expert_bytes = kernels.weight_format.expert_bytes(kernels.hidden_size, kernels.intermediate_size)
         if plan.expert_bytes != expert_bytes:
             raise ValueError(f"the plan's experts take {plan.expert_bytes} bytes, the kernels' {expert_bytes}: plan "
                              "the spec the package was built from")

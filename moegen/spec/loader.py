@@ -29,6 +29,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from moegen import target as gpus
 from moegen.errors import SpecError, SpecProblems
+from moegen.quant.formats import FP8_MIN_ARCH
 from moegen.spec import schema
 from moegen.spec.schema import Spec
 
@@ -112,6 +113,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.scoring": schema.SCORINGS,
     "model.dtype": schema.DTYPES,
     "model.router_dtype": schema.DTYPES,
+    "model.quantization": schema.QUANTIZATIONS,
     "offload.policy": schema.OFFLOAD_POLICIES,
     "offload.prefetch": schema.PREFETCH_MODES,
 }
@@ -531,8 +533,16 @@ def _check_buckets(buckets: tuple[int, ...]) -> Optional[_Issue]:
     return None
 
 
+def _check_group_size(size: int) -> Optional[_Issue]:
+    if size not in schema.INT4_GROUP_SIZES:
+        return _Issue(f"{size} is not a supported group size",
+                      f"use one of: {', '.join(map(str, schema.INT4_GROUP_SIZES))} (inputs per scale)")
+    return None
+
+
 _FIELD_CHECKS: dict[str, Callable[[Any], Optional[_Issue]]] = {
     "name": _check_name,
+    "model.quantization_group_size": _check_group_size,
     "target.gpu": _check_gpu,
     "workload.token_buckets": _check_buckets,
 }
@@ -593,6 +603,26 @@ def _shared_experts_sized(spec: Spec):
                 "set shared_intermediate_size to each shared expert's FFN width, or num_shared_experts: 0")
 
 
+def _int4_fields_only_for_int4(spec: Spec):
+    m = spec.model
+    if m.quantization == "int4_group":
+        return None
+    if m.quantization_group_size != 128:
+        return ("model.quantization_group_size",
+                f"a group size of {m.quantization_group_size} with quantization {m.quantization}: only int4_group "
+                "has groups (fp8_block's blocks are 128 x 128)", "remove it (or 128), or use int4_group")
+    if m.quantization_zero_point:
+        return ("model.quantization_zero_point", f"zero points with quantization {m.quantization}: only "
+                "int4_group has them", "remove it (or false), or use int4_group")
+
+
+def _fp8_needs_fp8_tensor_cores(spec: Spec):
+    gpu = gpus.lookup_gpu(spec.target.gpu)
+    if spec.model.weight_format.fp8 and gpu is not None and 0 < gpu.arch < FP8_MIN_ARCH:
+        return ("model.quantization", f"{spec.model.quantization} multiplies on fp8 tensor cores, which the "
+                f"{gpu.alias} (sm_{gpu.arch}) lacks", f"use int4_group, or target an sm_{FP8_MIN_ARCH} or newer GPU")
+
+
 def _expert_memory_fits(spec: Spec):
     budget, gpu = spec.target.expert_memory_gib, gpus.lookup_gpu(spec.target.gpu)
     if budget is not None and gpu is not None and budget > gpu.memory_gib:
@@ -619,5 +649,7 @@ _CROSS_RULES = (
     (_top_k_fits,),
     (_groups_divide_experts, _topk_group_fits, _enough_eligible_experts, _bias_groups_have_two),
     (_shared_experts_sized,),
+    (_int4_fields_only_for_int4,),
+    (_fp8_needs_fp8_tensor_cores,),
     (_expert_memory_fits, expert_memory_shortfall),
 )

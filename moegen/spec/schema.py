@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from moegen.quant.formats import INT4_GROUP_SIZES, QUANTIZATIONS, WeightFormat
+
 ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -38,11 +40,20 @@ class ModelSpec:
     # The router matmul's dtype (weights and logits); None: the model dtype. DeepSeek's routers
     # run in float32, whose logits rounded to bf16 would pick other experts near ties.
     router_dtype: Optional[str] = None
+    # How the routed experts' weights are stored (moegen/quant/formats.py); group size and zero
+    # points apply to int4_group.
+    quantization: str = "none"
+    quantization_group_size: int = 128
+    quantization_zero_point: bool = False
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return WeightFormat.of(self)
 
     @property
     def expert_bytes(self) -> int:
-        """One routed expert's weights: gate, up and down projections."""
-        return 3 * self.hidden_size * self.intermediate_size * DTYPE_BYTES[self.dtype]
+        """One routed expert's weights as stored: gate, up and down projections, with their scales."""
+        return self.weight_format.expert_bytes(self.hidden_size, self.intermediate_size)
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,6 @@ from moegen.tune import db
 from moegen.tune.db import DbMetadata, IncompatibleDbError, TuningInputError
 
 
-def _kernel_templates() -> list[str]:
-    # The templates that shape the compiled kernels, as the build renders them.
-    from moegen.render import KERNEL_TEMPLATES
-
-    return list(KERNEL_TEMPLATES)
-
-
 def _search_dirs(args) -> list[Path]:
     if args.dir is None:
         return db.default_search_path()
@@ -32,16 +25,9 @@ def _search_dirs(args) -> list[Path]:
     return [Path(args.dir)]
 
 
-def _status(content: dict, want: DbMetadata) -> str:
-    stale = db.differences(DbMetadata.from_dict(content["metadata"]), want)
+def _status(content: dict) -> str:
+    stale = db.differences(DbMetadata.from_dict(content["metadata"]), db.current_versions(content["metadata"]))
     return f"stale: {'; '.join(stale)}" if stale else "ok"
-
-
-def _current() -> DbMetadata:
-    """What `cache list` compares against: this Triton and these templates (device and signature
-    come from each file itself, so they are left unknown)."""
-    return DbMetadata(device=None, signature=None, triton=db.installed_version("triton"), torch=None,
-                      moegen=None, template_hash=db.template_hash(_kernel_templates()))
 
 
 def _signature_key(content: dict, path: Path) -> str:
@@ -64,7 +50,6 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def _cmd_list(args) -> int:
-    want = _current()
     records = []
     for directory in _search_dirs(args):
         for path in db.db_files(directory):
@@ -76,7 +61,7 @@ def _cmd_list(args) -> int:
                 continue
             records.append({"path": str(path), "device": content["metadata"].get("device"),
                             "signature": _signature_key(content, path), "buckets": len(content["buckets"]),
-                            "failures": len(content["failures"]), "status": _status(content, want)})
+                            "failures": len(content["failures"]), "status": _status(content)})
     if args.json:
         print(json.dumps(records, indent=2, sort_keys=True))
     elif not records:
@@ -122,7 +107,7 @@ def _gain_pct(bucket: dict):
 def _cmd_show(args) -> int:
     path = _find(args.name)
     content = db.load_file(path)
-    status = _status(content, _current())
+    status = _status(content)
     buckets = sorted(content["buckets"].items(), key=lambda item: int(item[0]))
     if args.json:
         print(json.dumps({"path": str(path), "status": status, **content}, indent=2, sort_keys=True))

@@ -130,6 +130,17 @@ def current_metadata(device_name: str, signature: KernelSignature, template_name
                       template_hash=template_hash(template_names))
 
 
+def current_versions(metadata: dict) -> DbMetadata:
+    """What a file's entries must have been made with to apply now: this Triton and the templates
+    of its signature's weight format (device and signature come from the file itself, so they
+    are left unknown)."""
+    from moegen.render import format_templates
+
+    quantization = (metadata.get("signature") or {}).get("quantization") or "none"
+    return DbMetadata(device=None, signature=None, triton=installed_version("triton"), torch=None, moegen=None,
+                      template_hash=template_hash(format_templates(quantization)))
+
+
 def _show(field: str, value) -> str:
     return str(value)[:12] if field == "template_hash" else str(value)
 

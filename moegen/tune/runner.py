@@ -21,7 +21,9 @@ from moegen.package.sources import render_sources, tool_versions
 from moegen.package.writer import write_package
 from moegen.plan import plan
 from moegen.plan.configs import default_config
-from moegen.render import KERNEL_TEMPLATES
+from moegen.plan.cost_model import matrix_tflops
+from moegen.quant.quantize import quantize, quantize_w13
+from moegen.render import kernel_templates
 from moegen.runtime.fused import KernelConfig, fused_moe
 from moegen.spec import load_spec
 from moegen.target import current_gpu
@@ -80,10 +82,22 @@ INCUMBENT_MARGIN = 0.01
 DUEL_ROUNDS = 4
 
 
+@dataclass(frozen=True)
+class _Experts:
+    """The tuned problem's experts: as the kernels take them (weights and, quantized, their scales
+    as keyword arguments) and as the format stores them (what the reference dequantizes)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    scales: dict
+    stored13: dict
+    stored2: dict
+
+
 class _Sample:
     """A bucket's inputs for one routing sample (uniform random routing)."""
 
-    def __init__(self, ir: ModelIR, tokens: int, weights, device: str, seed: int):
+    def __init__(self, ir: ModelIR, tokens: int, experts: _Experts, device: str, seed: int):
         m = ir.spec.model
         generator = torch.Generator(device="cpu").manual_seed(seed)
         dtype = TORCH_DTYPES[m.dtype]
@@ -91,27 +105,31 @@ class _Sample:
         self.bias = reference.balanced_correction_bias(m.num_experts, device) if m.correction_bias else None
         self.logits = reference.separated_router_logits(tokens, ir.routing, self.bias, generator=generator,
                                                         device=device, dtype=dtype)
-        self.w13, self.w2 = weights
+        self.experts = experts
 
 
 class _Problem(_Sample):
     """The search's sample of one bucket, its float64 reference and its floor on this device."""
 
-    def __init__(self, ir: ModelIR, tokens: int, weights, device: str, ceilings: tuple[float, float]):
-        super().__init__(ir, tokens, weights, device, seed=tokens)
-        m = ir.spec.model
-        self.expected = reference.moe_reference(self.x, self.logits, self.w13, self.w2, ir.routing,
-                                                m.activation, self.bias)
+    def __init__(self, ir: ModelIR, tokens: int, experts: _Experts, device: str, ceilings: tuple[float, float]):
+        super().__init__(ir, tokens, experts, device, seed=tokens)
+        m, sig = ir.spec.model, ir.signature
+        if sig.weight_format.quantized:
+            self.expected = reference.quantized_moe_reference(self.x, self.logits, experts.stored13, experts.stored2,
+                                                              sig.weight_format, ir.routing, m.activation, self.bias)
+        else:
+            self.expected = reference.moe_reference(self.x, self.logits, experts.w13, experts.w2, ir.routing,
+                                                    m.activation, self.bias)
         touched = int(torch.unique(reference.route_reference(self.logits, ir.routing, self.bias)[1]).numel())
-        nbytes = touched * 3 * m.hidden_size * m.intermediate_size * ir.signature.element_bytes \
-            + 2 * tokens * m.hidden_size * ir.signature.element_bytes
+        nbytes = touched * m.expert_bytes + 2 * tokens * m.hidden_size * sig.element_bytes
         flops = 6 * tokens * m.top_k * m.hidden_size * m.intermediate_size
         bandwidth_gbps, tflops = ceilings
+        tflops *= matrix_tflops(sig, ir.target) / matrix_tflops(replace(sig, quantization="none"), ir.target)
         self.floor_us = max(nbytes / (bandwidth_gbps * 1e3), flops / (tflops * 1e6))
         self.tolerance = reference.TOLERANCE[m.dtype]
 
 
-def _weights(ir: ModelIR, device: str):
+def _weights(ir: ModelIR, device: str) -> _Experts:
     m = ir.spec.model
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = TORCH_DTYPES[m.dtype]
@@ -119,7 +137,14 @@ def _weights(ir: ModelIR, device: str):
                       generator=generator, dtype=torch.float32).mul_(m.hidden_size ** -0.5).to(dtype)
     w2 = torch.randn(m.num_experts, m.hidden_size, m.intermediate_size, device=device,
                      generator=generator, dtype=torch.float32).mul_(m.intermediate_size ** -0.5).to(dtype)
-    return w13, w2
+    fmt = ir.signature.weight_format
+    if not fmt.quantized:
+        return _Experts(w13, w2, {}, {"weight": w13}, {"weight": w2})
+    stored13, stored2 = quantize_w13(w13, fmt), quantize(w2, fmt)
+    del w13, w2
+    scales = {f"{proj}_{part}": value for proj, stored in (("w13", stored13), ("w2", stored2))
+              for part, value in stored.items() if part != "weight"}
+    return _Experts(stored13["weight"], stored2["weight"], scales, stored13, stored2)
 
 
 def _load_kernels(ir: ModelIR, workdir: Path):
@@ -142,8 +167,9 @@ class _Search:
         self.times: dict[KernelConfig, float] = {}  # every candidate that ran correctly
 
     def _call(self, config: KernelConfig, sample: _Sample):
-        return fused_moe(self.kernels, sample.x, sample.logits, sample.w13, sample.w2, correction_bias=sample.bias,
-                         config=config)
+        experts = sample.experts
+        return fused_moe(self.kernels, sample.x, sample.logits, experts.w13, experts.w2, correction_bias=sample.bias,
+                         config=config, **experts.scales)
 
     def _time(self, config: KernelConfig, sample: _Sample) -> float:
         return bench.time_call(lambda: self._call(config, sample), self.on_gpu)
@@ -262,7 +288,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
 
     db = tuning_db.TuningDb()
     wanted = list(buckets or spec.workload.token_buckets)
-    entries = {t: db.lookup(gpu, ir.signature, t, KERNEL_TEMPLATES) for t in wanted}
+    entries = {t: db.lookup(gpu, ir.signature, t, kernel_templates(ir.signature)) for t in wanted}
     known = {t for t in wanted if not force and entries[t]}
     todo = [t for t in wanted if t not in known]
     target_dir = Path(save_dir) if save_dir else db.dirs[0]
@@ -273,8 +299,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
     ceilings = bench.measure_ceilings()[2:] if on_gpu else (gpu.hbm_gbps, gpu.bf16_tflops)
     log(f"{spec.name} on {gpu.name}: {len(todo)} buckets to tune"
         + (f" (HBM {ceilings[0]:.0f} GB/s, bf16 {ceilings[1]:.0f} TFLOP/s measured)" if on_gpu else ""))
-    failures = dict(db.failures(gpu.name, ir.signature, KERNEL_TEMPLATES))
-    metadata = tuning_db.current_metadata(gpu.name, ir.signature, KERNEL_TEMPLATES)
+    failures = dict(db.failures(gpu.name, ir.signature, kernel_templates(ir.signature)))
+    metadata = tuning_db.current_metadata(gpu.name, ir.signature, kernel_templates(ir.signature))
     tuning_db.check_writable(target_dir, metadata)  # before any benchmarking, not after the first bucket
     results, benchmarked, saved = [], 0, None
     with tempfile.TemporaryDirectory(prefix="moegen-tune-") as workdir:
@@ -347,7 +373,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
             # sample and the clocks of the moment can crown a config slower than the entry. After an
             # upgrade the entry tuned for the previous templates or Triton stands in for it.
             incumbent = (entries[tokens].config if entries[tokens]
-                         else db.previous(gpu.name, ir.signature, tokens, KERNEL_TEMPLATES))
+                         else db.previous(gpu.name, ir.signature, tokens, kernel_templates(ir.signature)))
             # With its staggered twin: the search may have reached another decode config.
             rivals = [] if incumbent is None else [incumbent, *space.stagger_candidates(incumbent, ir.signature, gpu)]
             rivals = [c for c in rivals if c not in search.times]

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from moegen.ir import KernelSignature
 from moegen.plan.configs import (TAIL_ROWS, clamp_tiles, default_config, descriptors_possible, expects_tail_rows,
-                                 two_programs_register_cap, violation)
+                                 fit_format, two_programs_register_cap, violation)
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
@@ -46,7 +46,7 @@ def block_m_candidates(default: KernelConfig) -> tuple[int, ...]:
 def _keep(configs, signature: KernelSignature, target: GpuTarget) -> list[KernelConfig]:
     seen, kept = set(), []
     for c in configs:
-        c = clamp_tiles(c, signature)
+        c = fit_format(clamp_tiles(c, signature), signature)
         if c not in seen and violation(c, signature, target) is None:
             seen.add(c)
             kept.append(c)

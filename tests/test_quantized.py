@@ -1,0 +1,207 @@
+"""Quantized experts (moegen/quant): the quantizer's round trip, and the fused kernels of every
+weight format against the float64 reference applied to the dequantized weights (and, for fp8,
+to the activations quantized as the kernels quantize them).
+
+On the CPU the kernels run in Triton's interpreter at tiny shapes in float32 and float16 (the
+interpreter computes bf16 dots wrongly); on a GPU (`-m gpu`) the shipped shapes in bf16. Inputs
+are random, never zero; cases cover T=0, one token, the decode kernel and the three-kernel path,
+all tokens on one expert, idle experts, and sizes off the block and off the group."""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moegen import reference as ref
+from moegen.quant.formats import WeightFormat
+from moegen.quant.quantize import dequantize, dequantize_w13, pack_int4, quantize, quantize_w13, unpack_int4
+
+HAS_GPU = torch.cuda.is_available()
+FORMATS = {  # name -> the spec's quantization fields
+    "int4_g32": dict(quantization="int4_group", quantization_group_size=32),
+    "int4_g64_zero": dict(quantization="int4_group", quantization_group_size=64, quantization_zero_point=True),
+    "int4_g128": dict(quantization="int4_group", quantization_group_size=128),
+    "fp8_block": dict(quantization="fp8_block"),
+}
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def _format(fields: dict, dtype: str) -> WeightFormat:
+    int4 = fields["quantization"] == "int4_group"
+    return WeightFormat(fields["quantization"], fields.get("quantization_group_size", 128) if int4 else 0,
+                        fields.get("quantization_zero_point", False), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantizer and the storage layout
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_round_trip_is_within_the_format_step(name):
+    fmt = _format(FORMATS[name], "float32")
+    g = torch.Generator().manual_seed(_seed("round trip", name))
+    w = torch.randn(3, 300, 200, generator=g)  # off every block and group
+    stored = quantize(w, fmt)
+    assert {k: tuple(v.shape) for k, v in stored.items()} == fmt.shapes(300, 200, 3)
+    error = (dequantize(stored, fmt, 300, 200) - w.double()).abs()
+    # Each weight within half a step of its block's, channel's or group's scale (int4: of 15 or 7 steps).
+    if fmt.quantization == "int4_group":
+        groups = torch.arange(200) // fmt.group_size
+        step = stored["scale"].double()[:, :, groups]
+        assert bool((error <= 0.5 * step * (1 + 1e-3) + 1e-7).all())
+    else:
+        assert ref.relative_error(dequantize(stored, fmt, 300, 200), w) < 0.04  # e4m3: 3 mantissa bits
+
+
+def test_int4_packing_puts_even_inputs_in_the_low_nibble():
+    q = torch.tensor([[[1, 2, 3, 4, 5]]], dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.tolist() == [[[0x21, 0x43, 0x05]]]
+    assert unpack_int4(packed, 5).tolist() == q.tolist()
+
+
+def test_fp8_block_w13_blocks_gate_and_up_apart():
+    """I = 200 is not a multiple of 128: the up projection's blocks start at its own first row."""
+    fmt = WeightFormat("fp8_block", dtype="float32")
+    w13 = torch.randn(2, 400, 130)
+    w13[:, 200:] *= 100  # the up rows' scales would spill into a shared block
+    stored = quantize_w13(w13, fmt)
+    assert tuple(stored["scale"].shape) == fmt.w13_shapes(130, 200, 2)["scale"] == (2, 4, 2)
+    assert ref.relative_error(dequantize_w13(stored, fmt, 130, 200), w13) < 0.04
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    routing: str = "random"  # random | one_expert (every token's first pick is expert 0)
+
+
+CPU_CASES = [Case("empty", 0), Case("one_token", 1), Case("decode_batch", 5), Case("three_kernels", 20),
+             Case("one_expert", 12, "one_expert")]
+CPU_SHAPES = {"int4": dict(hidden_size=96, intermediate_size=80, num_experts=6, top_k=2),
+              "fp8": dict(hidden_size=200, intermediate_size=160, num_experts=5, top_k=2)}  # off the 128 block
+GPU_SHAPES = {"qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8),
+              "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2)}
+
+
+def _logits(case: Case, routing, tokens: int, generator, device):
+    logits = ref.separated_router_logits(tokens, routing, generator=generator, device=device)
+    if case.routing == "one_expert":
+        logits[:, 0] = logits.max(dim=1).values + 4.0  # expert 0 first for all; the rest stay clear-cut
+    return logits
+
+
+def _check_format(pkg, fields: dict, case: Case, device: str, tolerance: float):
+    m, ks = pkg.SPEC.model, pkg.KERNELS
+    fmt = ks.weight_format
+    g = torch.Generator().manual_seed(_seed(pkg.SPEC.name, case.name))
+    e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(device)
+    w2 = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(device)
+    s13, s2 = quantize_w13(w13, fmt), quantize(w2, fmt)
+    scales = dict(w13_scale=s13["scale"], w2_scale=s2["scale"])
+    if fmt.zero_point:
+        scales.update(w13_zero=s13["zero"], w2_zero=s2["zero"])
+    x = torch.randn(case.tokens, h, generator=g).to(device=device, dtype=ks.dtype)
+    logits = _logits(case, ks.routing, case.tokens, g, device)
+    out = pkg.fused_moe(x, logits, s13["weight"], s2["weight"], **scales)
+    assert out.shape == (case.tokens, h) and out.dtype == ks.dtype
+    if case.tokens == 0:
+        return None
+    expected = ref.quantized_moe_reference(x, logits, s13, s2, fmt, ks.routing, m.activation)
+    error = ref.relative_error(out, expected)
+    assert error < tolerance, f"{fields}: relative error {error:.2e} > {tolerance}"
+    # The same routing through fused_experts (the caller's top-k, as the offload runtime passes it).
+    weights, ids, _ = ref.route_reference(logits, ks.routing)
+    again = pkg.fused_experts(x, weights.to(torch.float32), ids.to(torch.int32), s13["weight"], s2["weight"], **scales)
+    assert ref.relative_error(again, expected) < tolerance
+    return ref.relative_error(out, ref.moe_reference(x, logits, w13, w2, ks.routing, m.activation))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the interpreter cases: on a GPU the -m gpu cases run")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
+def test_quantized_kernels_match_the_reference_in_the_interpreter(fmt_name, dtype, case, package_factory):
+    fields = FORMATS[fmt_name]
+    shape = CPU_SHAPES["fp8" if fields["quantization"] == "fp8_block" else "int4"]
+    pkg = package_factory(buckets=(1, 8, 64), dtype=dtype, router_dtype="float32", **shape, **fields)
+    # Products of exact dequantized values: fp32 and fp16 arithmetic only (fp8 activations are exact).
+    _check_format(pkg, fields, case, "cpu", 1e-5 if dtype == "float32" else 3e-3)
+
+
+def test_a_quantized_package_names_missing_or_foreign_scales(package_factory):
+    pkg = package_factory(buckets=(1,), dtype="float32", router_dtype="float32", **CPU_SHAPES["int4"],
+                          **FORMATS["int4_g64_zero"])
+    fmt, m = pkg.KERNELS.weight_format, pkg.SPEC.model
+    s13 = quantize_w13(torch.randn(m.num_experts, 2 * m.intermediate_size, m.hidden_size), fmt)
+    s2 = quantize(torch.randn(m.num_experts, m.hidden_size, m.intermediate_size), fmt)
+    x, logits = torch.randn(1, m.hidden_size), torch.randn(1, m.num_experts)
+    with pytest.raises(ValueError, match=r"w13_zero: missing; this package's experts are int4_group .*pass "
+                                         r"w13_zero=\[6, 160, 2\] torch.uint8"):
+        pkg.fused_moe(x, logits, s13["weight"], s2["weight"], w13_scale=s13["scale"], w2_scale=s2["scale"])
+    with pytest.raises(ValueError, match=r"w2_scale: expected shape \[6, 96, 2\], got \[6, 96, 3\]"):
+        pkg.fused_moe(x, logits, s13["weight"], s2["weight"], w13_scale=s13["scale"], w13_zero=s13["zero"],
+                      w2_scale=torch.ones(6, 96, 3), w2_zero=s2["zero"])
+    plain = package_factory(buckets=(1,), dtype="float32", router_dtype="float32", **CPU_SHAPES["int4"])
+    with pytest.raises(ValueError, match="w13_scale: this package's experts are none, which has no such tensor"):
+        plain.fused_moe(x, logits, torch.randn(6, 160, 96), torch.randn(6, 96, 80), w13_scale=s13["scale"])
+
+
+GPU_T = (1, 7, 64, 1000)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+@pytest.mark.parametrize("fmt_name", ["int4_g128", "int4_g64_zero", "fp8_block"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_quantized_kernels_match_the_reference_on_the_gpu(shape, fmt_name, package_factory):
+    fields = FORMATS[fmt_name]
+    pkg = package_factory(buckets=(1, 8, 64, 1024), dtype="bfloat16", **GPU_SHAPES[shape], **fields)
+    for tokens in GPU_T:
+        for routing in ("random", "one_expert"):
+            against_bf16 = _check_format(pkg, fields, Case(f"gpu{tokens}{routing}", tokens, routing), "cuda", 1.5e-2)
+            print(f"{shape} {fmt_name} T={tokens} {routing}: error against the unquantized layer {against_bf16:.3f}")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="an interpreter case")
+@pytest.mark.parametrize("fmt_name", ["int4_g64_zero", "fp8_block"])
+def test_moe_layer_quantizes_an_unquantized_checkpoint_as_it_loads(fmt_name, package_factory):
+    """MoELayer of a quantized package: a checkpoint's per-expert tensors go through the
+    quantizer, and the layer runs on the stored tensors and their scales."""
+    fields = FORMATS[fmt_name]
+    shape = CPU_SHAPES["fp8" if fields["quantization"] == "fp8_block" else "int4"]
+    pkg = package_factory(buckets=(1, 8), dtype="float32", router_dtype="float32", **shape, **fields)
+    m, fmt = pkg.SPEC.model, pkg.KERNELS.weight_format
+    e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+    layer = pkg.MoELayer()
+    assert layer.w13.dtype == (torch.uint8 if fmt.quantization == "int4_group" else torch.float8_e4m3fn)
+    assert sorted(layer.expert_scales()) == sorted(["w13_scale", "w2_scale"] + (["w13_zero", "w2_zero"]
+                                                                                  if fmt.zero_point else []))
+    g = torch.Generator().manual_seed(_seed("layer", fmt_name))
+    checkpoint = {"gate.weight": torch.randn(e, h, generator=g)}
+    for expert in range(e):
+        checkpoint |= {f"experts.{expert}.w1.weight": torch.randn(i, h, generator=g) * h ** -0.5,
+                       f"experts.{expert}.w3.weight": torch.randn(i, h, generator=g) * h ** -0.5,
+                       f"experts.{expert}.w2.weight": torch.randn(h, i, generator=g) * i ** -0.5}
+    layer.load_hf_state_dict(checkpoint)
+    w13 = torch.stack([torch.cat((checkpoint[f"experts.{x}.w1.weight"], checkpoint[f"experts.{x}.w3.weight"]))
+                       for x in range(e)])
+    w2 = torch.stack([checkpoint[f"experts.{x}.w2.weight"] for x in range(e)])
+    s13, s2 = quantize_w13(w13, fmt), quantize(w2, fmt)
+    assert torch.equal(layer.w13, s13["weight"]) and torch.equal(layer.w2_scale, s2["scale"])
+    x = torch.randn(9, h, generator=g)
+    out = layer(x)
+    logits = x @ checkpoint["gate.weight"].T
+    expected = ref.quantized_moe_reference(x, logits, s13, s2, fmt, pkg.KERNELS.routing, m.activation)
+    assert ref.relative_error(out, expected) < 1e-5
