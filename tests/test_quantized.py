@@ -24,6 +24,7 @@ FORMATS = {  # name -> the spec's quantization fields
     "int4_g64_zero": dict(quantization="int4_group", quantization_group_size=64, quantization_zero_point=True),
     "int4_g128": dict(quantization="int4_group", quantization_group_size=128),
     "fp8_block": dict(quantization="fp8_block"),
+    "fp8_channel": dict(quantization="fp8_channel"),
 }
 
 
@@ -134,7 +135,7 @@ def _check_format(pkg, fields: dict, case: Case, device: str, tolerance: float):
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)
 def test_quantized_kernels_match_the_reference_in_the_interpreter(fmt_name, dtype, case, package_factory):
     fields = FORMATS[fmt_name]
-    shape = CPU_SHAPES["fp8" if fields["quantization"] == "fp8_block" else "int4"]
+    shape = CPU_SHAPES["fp8" if fields["quantization"].startswith("fp8") else "int4"]
     pkg = package_factory(buckets=(1, 8, 64), dtype=dtype, router_dtype="float32", **shape, **fields)
     # Products of exact dequantized values: fp32 and fp16 arithmetic only (fp8 activations are exact).
     _check_format(pkg, fields, case, "cpu", 1e-5 if dtype == "float32" else 3e-3)

@@ -17,7 +17,6 @@ from moegen.plan.cost_model import FORMULAS, matrix_tflops
 from moegen.plan.offload import OFFLOAD_FORMULAS, OffloadPlan
 from moegen.runtime.align import EXPERT_MASK, LEFT_SHIFT, RANK_SHIFT, RUN_WRAP
 from moegen.runtime.fused import group_tile
-from moegen.errors import BuildError
 from moegen.render import (DECODE_TEMPLATE, DOT_PRECISION, DOWN_TEMPLATE, GATE_UP_TEMPLATE, ROUTE_ALIGN_TEMPLATE,
                            TL_DTYPES, TORCH_DTYPES, WEIGHT_FORMAT_TEMPLATES, kernel_name, render, template_hashes)
 
@@ -111,9 +110,6 @@ def render_sources(build: BuildPlan, versions: dict[str, str], spec_path: str | 
     names = {stage: kernel_name(stage, sig.activation, sig.dtype, sig.hidden_size,
                                 sig.intermediate_size, sig.num_experts, sig.top_k)
              for stage in ("route_align", "gate_up", "down_reduce", "decode")}
-    if sig.quantization not in WEIGHT_FORMAT_TEMPLATES:
-        raise BuildError(f"{ir.spec_file}: model.quantization {sig.quantization}: this moegen has no kernels for it "
-                         f"yet (it has: {', '.join(WEIGHT_FORMAT_TEMPLATES)}); use one of those")
     kernel_values = dict(
         header=header, hidden_size=sig.hidden_size, intermediate_size=sig.intermediate_size,
         top_k=sig.top_k, dot_precision=DOT_PRECISION[sig.dtype],

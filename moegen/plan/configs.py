@@ -161,6 +161,9 @@ def format_violation(c: KernelConfig, signature: KernelSignature) -> str | None:
     fmt = signature.weight_format
     if fmt.quantized and (c.tma or c.l2_evict_first):
         return f"{fmt.quantization} weights are read with plain loads: tma and l2_evict_first off"
+    if fmt.quantization == "fp8_channel" and c.decode_block_n:
+        return "fp8_channel quantizes whole activation rows, which the decode kernel's programs do not hold: " \
+               "decode_block_n 0"
     if fmt.quantization == "fp8_block":
         steps = {"block_k": c.block_k, "down_block_k": c.down_block_k}
         if c.decode_block_n:
@@ -176,6 +179,8 @@ def fit_format(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
     fmt = signature.weight_format
     if fmt.quantized:
         c = replace(c, tma=False, l2_evict_first=False)
+    if fmt.quantization == "fp8_channel":
+        c = replace(c, decode_block_n=0, decode_stagger_k=False)
     if fmt.quantization == "fp8_block":
         c = replace(c, block_k=FP8_BLOCK, down_block_k=FP8_BLOCK)
         if c.decode_block_n:

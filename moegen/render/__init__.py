@@ -11,6 +11,7 @@ import jinja2
 
 from moegen import knobs
 from moegen.errors import SettingError
+from moegen.quant.formats import QUANTIZATIONS
 
 ROUTE_ALIGN_TEMPLATE = "moe_route_align.py.jinja"
 GATE_UP_TEMPLATE = "moe_gate_up.py.jinja"
@@ -21,7 +22,7 @@ DECODE_TEMPLATE = "moe_decode.py.jinja"
 KERNEL_TEMPLATES = (ROUTE_ALIGN_TEMPLATE, GATE_UP_TEMPLATE, DOWN_TEMPLATE, DECODE_TEMPLATE)
 # How each weight format loads a weight tile and its scales and turns them into MMA operands:
 # the macros the kernel templates import (templates/weights_none.jinja documents them).
-WEIGHT_FORMAT_TEMPLATES = {q: f"weights_{q}.jinja" for q in ("none", "fp8_block", "int4_group")}
+WEIGHT_FORMAT_TEMPLATES = {q: f"weights_{q}.jinja" for q in QUANTIZATIONS}
 
 def kernel_templates(signature) -> tuple[str, ...]:
     """The templates a signature's kernels are rendered from: the kernels' and its weight format's."""
