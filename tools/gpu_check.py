@@ -251,7 +251,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
         problems.append(f"{spec_name}: the first calls compiled {sum(map(len, compiled.values()))} kernels "
                         "although the package ships compiled kernels (see the cold-start table)")
 
-    impls = implementations(pkg, work.bias)  # each a function of one layer's inputs and experts
+    impls = implementations(work)  # each a function of one layer's inputs and experts
     rows = []
     for t in args.token_list:
         row, row_problems = measure_row(work, spec_name, t, impls, ceil, timer)
