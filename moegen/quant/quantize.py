@@ -131,7 +131,11 @@ def quantize_activations(x: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
     group = FP8_BLOCK if fmt.quantization == "fp8_block" else max(k, 1)
     blocks = _blocks(x.to(torch.float32)[None], 1, group)[0, :, 0]  # [T, K/G, G]
     amax = blocks.abs().amax(dim=2, keepdim=True)
-    inverse = torch.where(amax > 0, FP8_MAX / amax, torch.zeros_like(amax))
-    scale = amax / FP8_MAX
+    # Tensor by tensor: torch divides a Python number by a tensor through the reciprocal, which
+    # rounds differently from the kernels' correctly rounded division, and with bf16 or fp16
+    # activations many products land on a rounding tie of the fp8 grid.
+    top = torch.full_like(amax, FP8_MAX)
+    inverse = torch.where(amax > 0, top / amax.clamp(min=1e-30), torch.zeros_like(amax))
+    scale = amax / top
     q = _fp8(blocks * inverse).to(torch.float64) * scale.to(torch.float64)
     return q.reshape(t, -1)[:, :k]
