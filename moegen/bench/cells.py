@@ -36,6 +36,7 @@ class Row:
     floor_us: float
     bound: str
     touched: int
+    nbytes: int = 0  # the memory floor's bytes
     results: dict = field(default_factory=dict)  # implementation -> Measured
     read_us: Optional[float] = None  # one streaming-read launch over the floor's bytes
 
@@ -118,7 +119,7 @@ def measure_row(work: Workload, spec_name: str, tokens: int, impls: dict, ceilin
     tolerance = ref.TOLERANCE[work.pkg.SPEC.model.dtype]
     x, logits = work.inputs(tokens)
     floor = work.floor(logits, ceilings)
-    row = Row(spec_name, tokens, floor.us, floor.bound, floor.touched)
+    row = Row(spec_name, tokens, floor.us, floor.bound, floor.touched, floor.nbytes)
     if timer.cuda and row.bound == "memory":
         row.read_us = read_only_us(timer, floor.nbytes)
     checked = tokens <= REFERENCE_MAX_TOKENS

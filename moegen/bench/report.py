@@ -84,6 +84,7 @@ def row_json(row: Row) -> dict:
     """One row as `moegen bench --json` prints it: %floor beside each time."""
     return {
         "tokens": row.tokens, "floor_us": row.floor_us, "bound": row.bound, "experts_touched": row.touched,
+        "floor_bytes": row.nbytes,
         "read_only_us": row.read_us,
         "read_only_pct_floor": pct_of_floor(row.floor_us, row.read_us) if row.read_us else None,
         "implementations": {
