@@ -10,7 +10,7 @@ from pathlib import Path
 
 from moegen import knobs
 from moegen.errors import MoegenError, UsageError
-from moegen.spec.schema import DTYPES, OFFLOAD_POLICIES, PREFETCH_MODES
+from moegen.spec.schema import DTYPES, INT4_GROUP_SIZES, OFFLOAD_POLICIES, PREFETCH_MODES, QUANTIZATIONS
 from moegen.bench.command import add_bench_parser
 from moegen.offload.simulate_cli import add_simulate_parser
 from moegen.tune.cache_cli import add_cache_parser
@@ -150,6 +150,22 @@ def _cmd_build(args) -> int:
     return 0
 
 
+def _cmd_quantize(args) -> int:
+    from moegen.quant.convert import quantize_checkpoint
+    from moegen.quant.formats import WeightFormat
+    from moegen.spec.from_hf import model_fields, read_config
+
+    values, source = read_config(Path(args.model))
+    dtype = args.dtype or model_fields(values, source)["dtype"]
+    if args.format != "int4_group" and (args.group_size != 128 or args.zero_point):
+        raise UsageError(f"--group-size and --zero-point apply to int4_group, not {args.format}")
+    fmt = WeightFormat(args.format, args.group_size if args.format == "int4_group" else 0, args.zero_point, dtype)
+    count = quantize_checkpoint(Path(args.model), Path(args.output), fmt)
+    print(f"{args.output}: {count} expert projections quantized to {fmt.key or args.format}; "
+          f"`moegen spec {args.output}` writes its spec", file=sys.stderr)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moegen", description="Ahead-of-time compiler for fused MoE inference.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -196,6 +212,17 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--prefetch", choices=PREFETCH_MODES, help="in place of the spec's offload.prefetch")
     pl.add_argument("--json", action="store_true", help="print plan.json's content")
     pl.set_defaults(run=_cmd_plan)
+
+    q = sub.add_parser("quantize", help="a Hugging Face checkpoint folder with its routed experts quantized "
+                                        "(round to nearest) into a layout moegen and other engines read")
+    q.add_argument("model", help="the model folder (config.json and *.safetensors)")
+    q.add_argument("--format", required=True, choices=[f for f in QUANTIZATIONS if f != "none"],
+                   help="fp8_block (DeepSeek-V3's layout), fp8_channel (fbgemm's), int4_group (compressed-tensors')")
+    q.add_argument("--group-size", type=int, default=128, choices=INT4_GROUP_SIZES, help="int4_group: inputs per scale")
+    q.add_argument("--zero-point", action="store_true", help="int4_group: a zero point per group")
+    q.add_argument("--dtype", choices=DTYPES, help="int4_group's scales (default: the config's torch_dtype)")
+    q.add_argument("-o", "--output", required=True, help="the new folder to write")
+    q.set_defaults(run=_cmd_quantize)
 
     add_cache_parser(sub)
     add_simulate_parser(sub)

@@ -187,3 +187,76 @@ def test_moe_layer_loads_an_fp8_block_checkpoint(package_factory):
             mid = (ref.activation_ref(g13[:, :i], "silu") * g13[:, i:]).to(torch.float32)
             expected[t] += weights[t, j] * (quantize_activations(mid, fmt) @ w2[ex].T)[0]
     assert ref.relative_error(layer(x), expected) < 1e-5
+
+
+transformers = pytest.importorskip("transformers", reason="the checkpoint round trips need transformers (pip install -e '.[test]')")
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="needs transformers 5's MoE blocks")
+@pytest.mark.parametrize("fields, args", [
+    (dict(quantization="int4_group", quantization_group_size=32, quantization_zero_point=True),
+     ["--format", "int4_group", "--group-size", "32", "--zero-point"]),
+    (dict(quantization="fp8_block"), ["--format", "fp8_block"]),
+    (dict(quantization="fp8_channel"), ["--format", "fp8_channel"]),
+], ids=["int4_group", "fp8_block", "fp8_channel"])
+def test_moegen_quantize_writes_a_checkpoint_moegen_spec_and_the_loaders_read(fields, args, tmp_path):
+    """A transformers Mixtral saved in shards, `moegen quantize`d: `moegen spec` reads the format
+    from its quantization_config, and each layer loads its experts from the quantized shards,
+    equal to the quantizer's output on the original weights."""
+    from safetensors import safe_open
+
+    from moegen import cli, load
+    from moegen.quant.quantize import quantize, quantize_w13
+
+    config = transformers.MixtralConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=64, max_position_embeddings=64,
+                                        dtype="float32")
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "model", max_shard_size="200KB")
+    assert cli.main(["quantize", str(tmp_path / "model"), *args, "-o", str(tmp_path / "quantized")]) == 0
+    assert cli.main(["quantize", str(tmp_path / "model"), *args, "-o", str(tmp_path / "quantized")]) == 2  # never over
+    assert cli.main(["spec", str(tmp_path / "quantized"), "--name", "mq", "-o", str(tmp_path / "mq.yaml")]) == 0
+    assert cli.main(["build", str(tmp_path / "mq.yaml"), "-o", str(tmp_path / "out")]) == 0
+    pkg = load(tmp_path / "out" / "mq")
+    assert pkg.SPEC.model.quantization == fields["quantization"]
+    tensors = {}
+    for shard in sorted((tmp_path / "quantized").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors |= {key: f.get_tensor(key) for key in f.keys()}
+    fmt = pkg.KERNELS.weight_format
+    for index, block in enumerate(m for m in model.modules() if type(m).__name__ == "MixtralSparseMoeBlock"):
+        prefix = f"model.layers.{index}.mlp."
+        if not any(key.startswith(prefix) for key in tensors):
+            prefix = f"model.layers.{index}.block_sparse_moe."
+        layer = pkg.MoELayer()
+        layer.load_hf_state_dict({k: v for k, v in tensors.items() if k.startswith(prefix)}, prefix=prefix)
+        expected13, expected2 = quantize_w13(block.experts.gate_up_proj.detach(), fmt), quantize(
+            block.experts.down_proj.detach(), fmt)
+        assert torch.equal(layer.w13, expected13["weight"]) and torch.equal(layer.w13_scale, expected13["scale"])
+        assert torch.equal(layer.w2, expected2["weight"]) and torch.equal(layer.w2_scale, expected2["scale"])
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="needs transformers 5's MoE blocks")
+def test_a_quantized_package_takes_an_unquantized_models_blocks(package_factory):
+    """replace_moe_blocks with an int4 package: each block's experts quantized as they load."""
+    import moegen
+    from moegen.quant.quantize import quantize_w13
+
+    config = transformers.MixtralConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=64, max_position_embeddings=64)
+    model = transformers.MixtralForCausalLM(config).eval()
+    pkg = package_factory(buckets=(1, 8), hidden_size=128, intermediate_size=64, num_experts=4, top_k=2,
+                          dtype="float32", quantization="int4_group", quantization_group_size=32)
+    experts = [m.experts.gate_up_proj.detach().clone() for m in model.modules()
+               if type(m).__name__ == "MixtralSparseMoeBlock"]
+    tokens = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        before = model(tokens).logits
+        assert moegen.replace_moe_blocks(model, pkg) == 2
+        after = model(tokens).logits
+    layers = [m for m in model.modules() if isinstance(m, pkg.MoELayer)]
+    for layer, w13 in zip(layers, experts):
+        assert torch.equal(layer.w13, quantize_w13(w13, pkg.KERNELS.weight_format)["weight"])
+    assert bool(torch.isfinite(after).all()) and ref.relative_error(after, before) < 0.2

@@ -13,11 +13,13 @@ BLOCK_CLASSES = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "OlmoeSparse
 
 def _spec_differences(model: torch.nn.Module, spec) -> list[str]:
     """The model fields where the package's spec and the model's config disagree (the layer
-    count and dtype aside: a package serves any number of layers, and the weights' dtype is
-    checked per block)."""
+    count, dtype and weight format aside: a package serves any number of layers, the weights'
+    dtype is checked per block, and a quantized package quantizes the blocks' experts)."""
     wanted = model_fields(model.config.to_dict(), f"{type(model).__name__}.config")
+    # The experts' format is the package's to choose: a layer quantizes unquantized experts as it loads.
+    ignored = ("num_layers", "dtype", "quantization", "quantization_group_size", "quantization_zero_point")
     return [f"{name} {getattr(spec, name)} (model: {value})" for name, value in wanted.items()
-            if name not in ("num_layers", "dtype") and getattr(spec, name) != value]
+            if name not in ignored and getattr(spec, name) != value]
 
 
 def replace_moe_blocks(model: torch.nn.Module, package) -> int:
