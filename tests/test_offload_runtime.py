@@ -182,3 +182,39 @@ def test_host_experts_from_safetensors(tmp_path):
     save_file({**tensors, key: tensors[key][:1]}, str(tmp_path / "broadcastable.safetensors"))
     with pytest.raises(ValueError, match=rf"{key}: expected shape \[5, 4\], got \[1, 4\]"):
         HostExperts.from_safetensors([tmp_path / "broadcastable.safetensors"], 2, 3, 5, 4, torch.float32)
+
+
+@pytest.mark.parametrize("quantization", [
+    dict(quantization="int4_group", quantization_group_size=32, quantization_zero_point=True),
+    dict(quantization="fp8_block")], ids=["int4_group", "fp8_block"])
+def test_quantized_experts_offload_their_stored_bytes(package_factory, quantization):
+    """The host store and the slot pools hold the quantized storage (weights, scales, zero points);
+    every copy moves an expert's slice of each, and the output equals the all-resident kernels' on
+    the same storage. The plan counts the stored bytes: the same budget holds more experts."""
+    model = dict(MODEL, hidden_size=64, intermediate_size=32, **quantization)
+    pkg = package_factory(**model)
+    fmt = pkg.KERNELS.weight_format
+    spec = Spec("offload", ModelSpec(**model), TargetSpec(expert_memory_gib=3 * 3 * ModelSpec(**model).expert_bytes
+                                                                                 / 2**30), WorkloadSpec((1, 8, 64)))
+    plan = plan_offload(lower(spec, "offload.yaml"))
+    assert plan.expert_bytes == fmt.expert_bytes(64, 32) < 3 * 64 * 32 * 4 // 2 and plan.slots_per_layer == (3,) * 3
+    generator = torch.Generator().manual_seed(9)
+    layers = [(torch.randn(6, 64, 64, generator=generator) * 64 ** -0.5,
+               torch.randn(6, 64, 32, generator=generator) * 32 ** -0.5) for _ in range(3)]
+    host = HostExperts.from_tensors(layers).quantized(fmt)
+    assert host.expert_bytes == plan.expert_bytes and sorted(host.scales) == sorted(
+        ["w13_scale", "w2_scale"] + (["w13_zero", "w2_zero"] if fmt.zero_point else []))
+    with pytest.raises(ValueError, match="HostExperts.quantized"):
+        OffloadedMoE(pkg.KERNELS, plan, HostExperts.from_tensors(layers), engine_for_plan(plan), device=DEVICE)
+    runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine_for_plan(plan), device=DEVICE)
+    assert runtime.pool_bytes == 3 * 3 * plan.expert_bytes <= plan.budget_bytes
+    for step in range(6):
+        for layer in range(3):
+            x = torch.randn(2, 64, generator=generator).to(DEVICE)
+            ids = torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(2)]).to(DEVICE)
+            weights = torch.rand(2, 2, generator=generator).to(DEVICE)
+            out = runtime.forward(layer, x, weights, ids)
+            stored = {name: parts[layer].to(DEVICE) for name, parts in host.parts.items()}
+            expected = fused.fused_experts(pkg.KERNELS, x, weights, ids, stored.pop("w13"), stored.pop("w2"), **stored)
+            assert ref.relative_error(out, expected) <= 1e-6
+    assert runtime.stats.demand_loads > 0

@@ -31,6 +31,9 @@ CASES = (  # spec, trace, MoE layers in the stack, tokens replayed
     ("deepseek-v2-lite", "deepseek-v2-lite-intent.jsonl.gz", 8, 300),
 )
 RESIDENCIES = (0.25, 0.5, 0.75)
+# Quantized experts at the same expert memory budgets as the case's bf16 ones (which then hold
+# about four times as many int4 experts): spec name -> quantization.
+QUANTIZED = {"mixtral-8x7b": "int4_group"}
 # name: (eviction policy, prefetch predictor). Demand-fetch LRU; decayed LFU with the
 # nearest-tokens prefetch within LRU's bytes (the best hit rate of `moegen simulate` on the shared
 # traces); the same predictor guiding the evictions only (the fewest bytes: link-bound stacks).
@@ -95,8 +98,14 @@ def _decode(step, tokens: int, layers: int, on_sequence_start=None, seq=None) ->
 
 
 def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build_dir: Path,
-               policies: tuple[str, ...] = tuple(POLICIES)) -> list[OffloadRow]:
+               policies: tuple[str, ...] = tuple(POLICIES), quantization: str = "none") -> list[OffloadRow]:
+    """Decoding the trace through the stack; with a quantization, the experts stored in it, at the
+    budgets that hold the bf16 experts' residencies."""
     spec_path = Path(__file__).resolve().parent.parent / "specs" / f"{spec_name}.yaml"
+    if quantization != "none":  # the spec with quantized experts
+        text = spec_path.read_text().replace("quantization: none", f"quantization: {quantization}")
+        spec_path = build_dir / f"{spec_name}-{quantization}.yaml"
+        spec_path.write_text(text.replace(f"name: {spec_name}", f"name: {spec_name}-{quantization}"))
     with knobs.scope(MOEGEN_PRECOMPILE="0"):  # cold start is measured elsewhere; save the compile
         pkg = load(build(spec_path, build_dir)[0])
     ks, m = pkg.KERNELS, pkg.SPEC.model
@@ -106,16 +115,19 @@ def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build
     weights = torch.full((1, m.top_k), 1.0 / m.top_k, device="cuda")
     generator = torch.Generator(device="cuda").manual_seed(0)
     host = _random_host_experts(pkg, layers, generator)
+    unquantized_expert_bytes = host.expert_bytes
+    if ks.weight_format.quantized:
+        host = host.quantized(ks.weight_format)
     x = torch.randn(tokens, 1, m.hidden_size, device="cuda", generator=generator, dtype=torch.bfloat16)
 
     # All resident: the same stack with every expert on the GPU, each layer's step a CUDA graph
     # as in the offloaded runtime.
-    resident = [(host.w13[l].cuda(), host.w2[l].cuda()) for l in range(layers)]
+    resident = [{name: parts[l].cuda() for name, parts in host.parts.items()} for l in range(layers)]
     resident_out = {}
     graphs = StepGraphs("cuda")
 
     def resident_step(t, layer):
-        experts = functools.partial(fused.fused_experts, ks, w13=resident[layer][0], w2=resident[layer][1])
+        experts = functools.partial(fused.fused_experts, ks, **resident[layer])
         out = graphs(layer, experts, x[t], weights, ids[t, layer].view(1, -1))
         if t < 4:
             resident_out[(t, layer)] = out
@@ -132,8 +144,9 @@ def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build
     ir = replace(ir, spec=replace(ir.spec, model=replace(ir.spec.model, num_layers=layers)))
     rows = []
     for residency in RESIDENCIES:
-        slots = max(m.top_k, round(m.num_experts * residency))
-        budget_gib = layers * slots * host.expert_bytes / 2**30
+        # The budget that holds this share of the bf16 experts; quantized experts fill it with more.
+        budget_gib = layers * max(m.top_k, round(m.num_experts * residency)) * unquantized_expert_bytes / 2**30
+        slots = min(m.num_experts, int(budget_gib * 2**30 // (layers * host.expert_bytes)))
         # A hair over the pools, so the plan's floor division gives every layer `slots`.
         plan_gib = (layers * slots + 0.5) * host.expert_bytes / 2**30
         ir_budget = replace(ir, spec=replace(ir.spec, target=replace(ir.spec.target, expert_memory_gib=plan_gib)))
@@ -159,7 +172,8 @@ def bench_case(spec_name: str, trace_path: Path, layers: int, tokens: int, build
             stall_s = runtime.stall_s
             floor_s = transfer_s + compute_s_per_token * tokens
             rows.append(OffloadRow(
-                case=f"{spec_name} x{layers} layers", residency=f"{slots}/{m.num_experts}", policy=policy,
+                case=f"{spec_name} x{layers} layers" + (f" ({quantization})" if quantization != "none" else ""),
+                residency=f"{slots}/{m.num_experts}", policy=policy,
                 tokens_per_s=tokens / seconds, resident_tokens_per_s=tokens / resident_s,
                 floor_tokens_per_s=tokens / floor_s, hit_rate=s.hit_rate, gib_moved=s.bytes_moved / 2**30,
                 stall_ms_per_token=1e3 * stall_s / tokens,
@@ -182,6 +196,8 @@ def run_all(traces_dir: Path, build_dir: Path, say) -> list[str]:
             continue
         try:
             rows += bench_case(spec_name, trace_path, layers, tokens, build_dir)
+            if spec_name in QUANTIZED:
+                rows += bench_case(spec_name, trace_path, layers, tokens, build_dir, quantization=QUANTIZED[spec_name])
         except Exception as error:  # noqa: BLE001 - report and go on
             import traceback
 

@@ -592,13 +592,17 @@ def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
                     weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero))
 
 
-def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool,
+def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, *,
+                           w13_scale=None, w2_scale=None, w13_zero=None, w2_zero=None,
                            config: Optional[KernelConfig] = None) -> torch.Tensor:
-    """The experts with weights from a slot pool ([S,2I,H], [S,H,I]) and top-k given as slot
-    indices: what the offload runtime runs, without gathering weights into a per-step tensor."""
+    """The experts with weights from a slot pool ([S,2I,H], [S,H,I]; quantized: their storage
+    and scales, slot first) and top-k given as slot indices: what the offload runtime runs,
+    without gathering weights into a per-step tensor."""
     slots = w13_pool.shape[0]
-    _check_inputs(ks, hidden_states, w13_pool, w2_pool, slots, names=("w13_pool", "w2_pool"))
-    return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config, NO_SCALES)
+    _check_inputs(ks, hidden_states, w13_pool, w2_pool, slots, names=("w13_pool", "w2_pool"), w13_scale=w13_scale,
+                  w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
+    return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config,
+                    weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero))
 
 
 def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config, scales: WeightScales):

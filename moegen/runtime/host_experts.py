@@ -7,7 +7,7 @@ at a time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -27,16 +27,50 @@ def _pinned_empty(shape, dtype) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class HostExperts:
-    w13: tuple[torch.Tensor, ...]  # per layer [E, 2I, H], pinned
-    w2: tuple[torch.Tensor, ...]  # per layer [E, H, I], pinned
+    """Per layer the experts' stored tensors, pinned: `w13` [E, 2I, H] and `w2` [E, H, I], or for
+    quantized experts their storage (moegen/quant/formats.py) with `scales`: per name (w13_scale,
+    w2_scale, w13_zero, w2_zero) a tensor per layer, expert first. Every transfer copies an
+    expert's slice of each."""
+
+    w13: tuple[torch.Tensor, ...]
+    w2: tuple[torch.Tensor, ...]
+    scales: dict = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
         return len(self.w13)
 
     @property
+    def parts(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Every stored tensor name -> its per-layer tensors: what a transfer copies."""
+        return {"w13": self.w13, "w2": self.w2, **self.scales}
+
+    @property
     def expert_bytes(self) -> int:
-        return (self.w13[0][0].numel() + self.w2[0][0].numel()) * self.w13[0].element_size()
+        """One expert's bytes as stored (weights, scales, zero points): what a transfer moves."""
+        return sum(layers[0][0].nbytes for layers in self.parts.values())
+
+    def quantized(self, fmt) -> "HostExperts":
+        """These unquantized experts in a quantized format (moegen.quant.quantize), layer by
+        layer and expert by expert into new pinned buffers."""
+        from moegen.quant.quantize import quantize, quantize_w13
+
+        parts: dict[str, list] = {}
+        for w13, w2 in zip(self.w13, self.w2):
+            stored = {"w13": None, "w2": None}
+            for e in range(w13.shape[0]):
+                one = {("w13" if part == "weight" else f"w13_{part}"): value
+                       for part, value in quantize_w13(w13[e:e + 1], fmt).items()}
+                one |= {("w2" if part == "weight" else f"w2_{part}"): value
+                        for part, value in quantize(w2[e:e + 1], fmt).items()}
+                for name, value in one.items():
+                    if stored.get(name) is None:
+                        stored[name] = _pinned_empty((w13.shape[0], *value.shape[1:]), value.dtype)
+                    stored[name][e].copy_(value[0])
+            for name, value in stored.items():
+                parts.setdefault(name, []).append(value)
+        return HostExperts(tuple(parts.pop("w13")), tuple(parts.pop("w2")),
+                           {name: tuple(layers) for name, layers in parts.items()})
 
     @classmethod
     def empty(cls, num_layers: int, num_experts: int, hidden: int, inter: int, dtype) -> "HostExperts":

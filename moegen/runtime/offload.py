@@ -37,8 +37,7 @@ from moegen.runtime.step_graphs import StepGraphs
 
 @dataclass
 class _Pool:
-    w13: torch.Tensor  # [slots, 2I, H] on the GPU
-    w2: torch.Tensor  # [slots, H, I]
+    parts: dict  # stored tensor name (w13, w2, w13_scale, ...) -> [slots, ...] on the GPU
     slot_table: torch.Tensor  # [E] int32 on the GPU: expert -> slot (-1: not resident)
     staging: torch.Tensor  # [E] int32, pinned: the next table, copied without a synchronization
     done: Optional[torch.cuda.Event] = None  # after this layer's kernels, for prefetch ordering
@@ -82,9 +81,6 @@ class OffloadedMoE:
         if (plan.num_experts, plan.top_k) != (kernels.num_experts, kernels.top_k):
             raise ValueError(f"the plan routes top-{plan.top_k} of {plan.num_experts} experts, the kernels top-"
                              f"{kernels.top_k} of {kernels.num_experts}: plan the spec the package was built from")
-        if kernels.weight_format.quantized:
-            raise ValueError(f"the package's experts are {kernels.weight_format.quantization}: the offload runtime "
-                             "moves unquantized experts only so far; build the spec with quantization: none to offload")
         expert_bytes = kernels.weight_format.expert_bytes(kernels.hidden_size, kernels.intermediate_size)
         if plan.expert_bytes != expert_bytes:
             raise ValueError(f"the plan's experts take {plan.expert_bytes} bytes, the kernels' {expert_bytes}: plan "
@@ -96,11 +92,14 @@ class OffloadedMoE:
                              f"{plan.num_experts} in {list(plan.slots_per_layer)}: build the engine from this plan")
         if host.num_layers != plan.num_layers:
             raise ValueError(f"host experts have {host.num_layers} layers, the plan {plan.num_layers}")
-        e, h, i = kernels.num_experts, kernels.hidden_size, kernels.intermediate_size
-        for layer, (w13, w2) in enumerate(zip(host.w13, host.w2)):
-            for name, tensor, shape in (("w13", w13, (e, 2 * i, h)), ("w2", w2, (e, h, i))):
-                if tuple(tensor.shape) != shape or tensor.dtype != kernels.dtype:
-                    raise ValueError(f"host experts' {name} of layer {layer}: expected {list(shape)} {kernels.dtype}, "
+        stored = _stored_shapes(kernels)
+        if sorted(host.parts) != sorted(stored):
+            raise ValueError(f"host experts hold {sorted(host.parts)}, the package's {kernels.weight_format.quantization} "
+                             f"experts {sorted(stored)}: HostExperts.quantized(package.KERNELS.weight_format) makes them")
+        for name, (shape, dtype) in stored.items():
+            for layer, tensor in enumerate(host.parts[name]):
+                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    raise ValueError(f"host experts' {name} of layer {layer}: expected {list(shape)} {dtype}, "
                                      f"got {list(tensor.shape)} {tensor.dtype}")
         self.kernels, self.plan, self.host, self.engine = kernels, plan, host, engine
         self.device = torch.device(device)
@@ -111,10 +110,9 @@ class OffloadedMoE:
         self._stall_s = 0.0  # waits for copies resolved so far
         self._stall_marks: list = []  # (start, end) timing events around a step's waits, not yet read
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
-        h, i, dtype = kernels.hidden_size, kernels.intermediate_size, kernels.dtype
         self.pools = [
-            _Pool(torch.empty((slots, 2 * i, h), dtype=dtype, device=self.device),
-                  torch.empty((slots, h, i), dtype=dtype, device=self.device),
+            _Pool({name: torch.empty((slots, *shape[1:]), dtype=dtype, device=self.device)
+                   for name, (shape, dtype) in stored.items()},
                   torch.full((kernels.num_experts,), -1, dtype=torch.int32, device=self.device),
                   torch.empty(kernels.num_experts, dtype=torch.int32, pin_memory=self.on_gpu))
             for slots in plan.slots_per_layer
@@ -144,14 +142,14 @@ class OffloadedMoE:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(p.w13.nbytes + p.w2.nbytes for p in self.pools)
+        return sum(part.nbytes for p in self.pools for part in p.parts.values())
 
     def _copy(self, load, stream) -> None:
         pool = self.pools[load.layer]
         pool.moved = True
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            pool.w13[load.slot].copy_(self.host.w13[load.layer][load.expert], non_blocking=self.on_gpu)
-            pool.w2[load.slot].copy_(self.host.w2[load.layer][load.expert], non_blocking=self.on_gpu)
+            for name, host in self.host.parts.items():
+                pool.parts[name][load.slot].copy_(host[load.layer][load.expert], non_blocking=self.on_gpu)
 
     def _prefetch(self, layer: int, hidden_states) -> None:
         loads = self.engine.before_layer(layer, hidden_states)
@@ -270,7 +268,19 @@ class OffloadedMoE:
 
     def _experts(self, pool: _Pool, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
         slot_ids = pool.slot_table[topk_ids.long()]
-        return fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_ids, pool.w13, pool.w2)
+        scales = {name: value for name, value in pool.parts.items() if name not in ("w13", "w2")}
+        return fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_ids, pool.parts["w13"],
+                                            pool.parts["w2"], **scales)
+
+
+def _stored_shapes(kernels: fused.KernelSet) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Each stored tensor's name -> ([E, ...] shape, dtype) in the kernels' weight format."""
+    fmt, h, i, e = kernels.weight_format, kernels.hidden_size, kernels.intermediate_size, kernels.num_experts
+    shapes = {}
+    for proj, parts in (("w13", fmt.w13_shapes(h, i, e)), ("w2", fmt.shapes(h, i, e))):
+        for part, shape in parts.items():
+            shapes[proj if part == "weight" else f"{proj}_{part}"] = (shape, fused.stored_dtype(kernels, part))
+    return shapes
 
 
 def _chunks_that_fit(ids: list, slots: int) -> list[tuple[int, int]]:
