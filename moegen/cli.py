@@ -21,8 +21,9 @@ def _cmd_validate(args) -> int:
 
     spec = load_spec(args.spec)
     m = spec.model
+    experts = m.dtype if m.quantization == "none" else f"{m.dtype}, experts {m.weight_format.key}"
     print(f"{args.spec}: ok ({spec.name}: E={m.num_experts}, top-{m.top_k}, H={m.hidden_size}, "
-          f"I={m.intermediate_size}, {m.dtype}, package {spec.package_name})")
+          f"I={m.intermediate_size}, {experts}, package {spec.package_name})")
     return 0
 
 
