@@ -4,7 +4,7 @@ the interpreter computes bf16 dots wrongly), so shapes are tiny but deliberately
 H and I not multiples of the block, E not a power of two, empty and crowded experts."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zlib
 
@@ -756,3 +756,34 @@ def test_non_finite_logits_spoil_only_their_token(model, kind, tokens, package_f
         expected = ref.moe_reference(x[1:], logits[1:], w13, w2, pkg.KERNELS.routing, pkg.SPEC.model.activation,
                                      bias)
         assert ref.relative_error(out[1:], expected) <= TOLERANCE[pkg.SPEC.model.dtype]
+
+
+@pytest.mark.parametrize("tokens, ids_dtype, repeated", [(1, torch.int32, False), (3, torch.int64, False),
+                                                         (8, torch.int32, False), (2, torch.int32, True)])
+def test_fused_experts_takes_the_decode_kernel_for_decode_batches(tokens, ids_dtype, repeated, package_factory,
+                                                                   monkeypatch):
+    """Callers who route themselves (fused_experts, the offload runtime) run a decode batch in one
+    launch, as fused_moe does: the decode kernel reads their picks (any integer dtype; a pick
+    repeated within a token counts twice) instead of routing."""
+    from moegen.runtime import fused, launch
+
+    pkg = package_factory(hidden_size=40, intermediate_size=24, num_experts=6, top_k=2, dtype="float32",
+                          buckets=(1, 4, 8, 64))
+    config = replace(pkg.KERNELS.config_for(1), decode_block_n=32, decode_block_k=64, decode_block_h=64)
+    assert fused.uses_decode(config, tokens)
+    launched = []
+    real = launch.launch
+    monkeypatch.setattr(fused, "launch", lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k))[1])
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 40, generator=generator).to(DEVICE)
+    w13 = (torch.randn(6, 48, 40, generator=generator) * 40 ** -0.5).to(DEVICE)
+    w2 = (torch.randn(6, 40, 24, generator=generator) * 24 ** -0.5).to(DEVICE)
+    ids = torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(tokens)])
+    if repeated:
+        ids[:, 1] = ids[:, 0]
+    ids = ids.to(ids_dtype).to(DEVICE)
+    weights = torch.rand(tokens, 2, generator=generator).to(DEVICE)
+    out = fused.fused_experts(pkg.KERNELS, x, weights, ids, w13, w2, config=config)
+    assert launched == [pkg.KERNELS.decode_routed, pkg.KERNELS.decode_finish]
+    expected = ref.experts_reference(x, weights, ids, w13, w2, "silu")
+    assert ref.relative_error(out, expected) <= TOLERANCE["float32"]

@@ -110,7 +110,8 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     ``launchers`` (on the GPU) their launchers as well."""
     import torch
 
-    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, dependent_launch,
+    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, decode_routed_block_t,
+                                      dependent_launch,
                                       down_launch, l2_evict_first, multi_route_launch, pdl_supported,
                                       single_route_launch, single_route_max_tokens, tma_possible, uses_decode,
                                       uses_tma)
@@ -166,6 +167,16 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                     num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, grid=(1, 1)))
             compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
                                                     num_warps=4, **as_dependent, grid=(1,)))
+            # The same for callers who route themselves (their picks as routing gives them:
+            # float32 weights, int32 ids), over the batches of this bucket's own.
+            own = range(previous + 1, last + 1)
+            for block_t in sorted({decode_routed_block_t(ks, t) for t in own}):
+                compiled.append(ks.decode_routed.warmup(
+                    torch.float32, torch.int32, ks.dtype, w13, *scales13, w2, *scales2, *decode[:2], *decode[3:],
+                    BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+                    BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
+                    L2_EVICT_FIRST=evict_first, USE_PDL=pdl,
+                    num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, grid=(1, 1)))
         previous = bucket
     if launchers:
         for kernel in compiled:

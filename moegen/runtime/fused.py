@@ -128,10 +128,12 @@ class KernelSet:
     interpreted: Optional[bool] = None
     # How the experts' weights are stored (the spec's quantization): the kernels were rendered for it.
     weight_format: WeightFormat = WeightFormat()
+    # The decode kernel for a routing chosen by the caller (fused_experts, the offload runtime).
+    decode_routed: Optional[Callable] = None
 
     def __post_init__(self):
         settle_cache_keys((self.route_align, self.route_count, self.route_place, self.gate_up,
-                           self.down_reduce, self.decode, self.decode_finish))
+                           self.down_reduce, self.decode, self.decode_finish, self.decode_routed))
         if self.interpreted is None:
             from triton.runtime.interpreter import InterpretedFunction
 
@@ -612,6 +614,8 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
     if num_tokens == 0:
         return hidden_states.new_empty((0, ks.hidden_size))
     cfg = config or ks.config_for(num_tokens)
+    if uses_decode(cfg, num_tokens):
+        return _decode_routed(ks, cfg, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, scales)
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m, cfg.tails_first)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2, scales)
@@ -685,6 +689,40 @@ def decode_workspace(hidden_size: int, device: torch.device) -> torch.Tensor:
             return work  # zeroed by a captured memset on every replay; not kept beyond the graph
         _workspaces[key] = work
     return work
+
+
+def decode_routed_block_t(ks: KernelSet, num_tokens: int) -> int:
+    """Token rows of the routed decode kernel's pick tiles: the batch's bucket (or the batch) as a
+    power of two, at most DECODE_MAX_TOKENS."""
+    return pow2_at_least(min(max(ks.bucket_for(num_tokens), num_tokens), DECODE_MAX_TOKENS))
+
+
+def _decode_routed(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights, topk_ids, w13, w2,
+                   num_experts: int, scales: WeightScales):
+    """The one-launch decode kernel on the caller's picks (num_experts: the weights' first
+    dimension, the slots of an offload pool)."""
+    num_tokens, device = hidden_states.shape[0], hidden_states.device
+    h, i = ks.hidden_size, ks.intermediate_size
+    x, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
+    work = decode_workspace(h, device)
+    out = torch.empty((num_tokens, h), dtype=ks.dtype, device=device)
+    use_tma = uses_tma(ks, cfg) and tma_compatible(w13, w2)
+    if use_tma:
+        w13_arg = _descriptor(w13, [1, cfg.decode_block_n, cfg.decode_block_k])
+        w2_arg = _descriptor(w2, [1, cfg.decode_block_h, cfg.decode_block_n])
+    else:
+        w13_arg, w2_arg = w13, w2
+    pdl = pdl_supported(device)
+    launch(ks.decode_routed, decode_grid(num_tokens, ks.top_k, num_experts, i, cfg.decode_block_n), None,
+           topk_weights.contiguous(), topk_ids.contiguous(), x, w13_arg, *scales.w13, w2_arg, *scales.w2, work,
+           num_tokens, x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+           BLOCK_T=decode_routed_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+           BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
+           L2_EVICT_FIRST=l2_evict_first(ks, cfg, use_tma), USE_PDL=pdl,
+           num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
+    launch(ks.decode_finish, (_cdiv(out.numel(), DECODE_FINISH_BLOCK),), None,
+           work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))
+    return out
 
 
 def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2,
