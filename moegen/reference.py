@@ -120,23 +120,23 @@ def moe_reference(hidden_states, router_logits, w13, w2, p: RoutingParams, activ
 def quantized_experts_reference(hidden_states, topk_weights, topk_ids, w13: dict, w2: dict, fmt,
                                 activation: str = "silu"):
     """experts_reference for quantized experts: w13 and w2 as their format stores them
-    (moegen.quant.quantize), dequantized; for fp8 formats the activations quantized as the
-    kernels quantize them (the hidden states, and the intermediate after its rounding to the
-    model dtype). Accumulated in float64."""
+    (moegen.quant.quantize), dequantized one expert at a time; for fp8 formats the activations
+    quantized as the kernels quantize them (the hidden states, and the intermediate after its
+    rounding to the model dtype). Accumulated in float64."""
     from moegen.quant.quantize import dequantize, dequantize_w13, quantize_activations
 
     hidden, inter = hidden_states.shape[1], w13["weight"].shape[1] // 2
-    w13_ = dequantize_w13(w13, fmt, hidden, inter)
-    w2_ = dequantize(w2, fmt, hidden, inter)
     x = quantize_activations(hidden_states, fmt)
     out = torch.zeros_like(x)
     ids = topk_ids.to(torch.int64)
     model_dtype = hidden_states.dtype
     for expert in torch.unique(ids).tolist():
         rows, slots = (ids == expert).nonzero(as_tuple=True)
-        g = x[rows] @ w13_[expert].T
+        one13 = {part: value[expert:expert + 1] for part, value in w13.items()}
+        one2 = {part: value[expert:expert + 1] for part, value in w2.items()}
+        g = x[rows] @ dequantize_w13(one13, fmt, hidden, inter)[0].T
         mid = (activation_ref(g[:, :inter], activation) * g[:, inter:]).to(model_dtype)
-        y = quantize_activations(mid, fmt) @ w2_[expert].T
+        y = quantize_activations(mid, fmt) @ dequantize(one2, fmt, hidden, inter)[0].T
         out.index_add_(0, rows, y * topk_weights[rows, slots].to(torch.float64).unsqueeze(1))
     return out
 

@@ -92,41 +92,73 @@ CPU_CASES = [Case("empty", 0), Case("one_token", 1), Case("decode_batch", 5), Ca
 CPU_SHAPES = {"int4": dict(hidden_size=96, intermediate_size=80, num_experts=6, top_k=2),
               "fp8": dict(hidden_size=200, intermediate_size=160, num_experts=5, top_k=2)}  # off the 128 block
 GPU_SHAPES = {"qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=768, num_experts=128, top_k=8),
-              "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2)}
+              "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2),
+              "olmoe-1b-7b": dict(hidden_size=2048, intermediate_size=1024, num_experts=64, top_k=8),
+              "deepseek-v3": dict(hidden_size=7168, intermediate_size=2048, num_experts=256, top_k=8, scoring="sigmoid",
+                                  n_group=8, topk_group=4, correction_bias=True, routed_scaling_factor=2.5)}
 
 
-def _logits(case: Case, routing, tokens: int, generator, device):
-    logits = ref.separated_router_logits(tokens, routing, generator=generator, device=device)
+def _logits(case: Case, routing, tokens: int, generator, device, bias=None):
+    logits = ref.separated_router_logits(tokens, routing, bias, generator=generator, device=device)
     if case.routing == "one_expert":
         logits[:, 0] = logits.max(dim=1).values + 4.0  # expert 0 first for all; the rest stay clear-cut
     return logits
 
 
+def _stored_experts(pkg, seed: str, device: str, chunk: int = 16):
+    """Random experts (normal, scaled by 1/sqrt(fan-in)) in the package's format, drawn and
+    quantized `chunk` experts at a time (DeepSeek-V3's would not fit the GPU in float32 at once);
+    and a function that gives expert e's unquantized weights again, drawn anew the same way."""
+    m, fmt = pkg.SPEC.model, pkg.KERNELS.weight_format
+    e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+
+    def draw(first: int):
+        g = torch.Generator(device=device).manual_seed(_seed(seed, first))
+        count = min(chunk, e - first)
+        return (torch.randn(count, 2 * i, h, generator=g, device=device) * h ** -0.5,
+                torch.randn(count, h, i, generator=g, device=device) * i ** -0.5)
+
+    parts13, parts2 = [], []
+    for first in range(0, e, chunk):
+        w13, w2 = draw(first)
+        parts13.append(quantize_w13(w13, fmt))
+        parts2.append(quantize(w2, fmt))
+    s13 = {name: torch.cat([p[name] for p in parts13]) for name in parts13[0]}
+    s2 = {name: torch.cat([p[name] for p in parts2]) for name in parts2[0]}
+    return s13, s2, lambda expert: tuple(w[expert % chunk] for w in draw(expert // chunk * chunk))
+
+
 def _check_format(pkg, fields: dict, case: Case, device: str, tolerance: float):
+    """The case through fused_moe and fused_experts against the quantized reference; returns the
+    relative error of the quantized layer against the unquantized one (the weights before
+    quantization)."""
     m, ks = pkg.SPEC.model, pkg.KERNELS
     fmt = ks.weight_format
     g = torch.Generator().manual_seed(_seed(pkg.SPEC.name, case.name))
-    e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
-    w13 = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(device)
-    w2 = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(device)
-    s13, s2 = quantize_w13(w13, fmt), quantize(w2, fmt)
-    scales = dict(w13_scale=s13["scale"], w2_scale=s2["scale"])
-    if fmt.zero_point:
-        scales.update(w13_zero=s13["zero"], w2_zero=s2["zero"])
-    x = torch.randn(case.tokens, h, generator=g).to(device=device, dtype=ks.dtype)
-    logits = _logits(case, ks.routing, case.tokens, g, device)
-    out = pkg.fused_moe(x, logits, s13["weight"], s2["weight"], **scales)
-    assert out.shape == (case.tokens, h) and out.dtype == ks.dtype
+    s13, s2, unquantized = _stored_experts(pkg, f"{pkg.SPEC.name}/{case.name}", device)
+    scales = {f"{proj}_{part}": value for proj, stored in (("w13", s13), ("w2", s2))
+              for part, value in stored.items() if part != "weight"}
+    bias = ref.balanced_correction_bias(m.num_experts, device) if m.correction_bias else None
+    x = torch.randn(case.tokens, m.hidden_size, generator=g).to(device=device, dtype=ks.dtype)
+    logits = _logits(case, ks.routing, case.tokens, g, device, bias)
+    out = pkg.fused_moe(x, logits, s13["weight"], s2["weight"], correction_bias=bias, **scales)
+    assert out.shape == (case.tokens, m.hidden_size) and out.dtype == ks.dtype
     if case.tokens == 0:
         return None
-    expected = ref.quantized_moe_reference(x, logits, s13, s2, fmt, ks.routing, m.activation)
+    weights, ids, _ = ref.route_reference(logits, ks.routing, bias)
+    expected = ref.quantized_experts_reference(x, weights, ids, s13, s2, fmt, m.activation)
     error = ref.relative_error(out, expected)
     assert error < tolerance, f"{fields}: relative error {error:.2e} > {tolerance}"
     # The same routing through fused_experts (the caller's top-k, as the offload runtime passes it).
-    weights, ids, _ = ref.route_reference(logits, ks.routing)
     again = pkg.fused_experts(x, weights.to(torch.float32), ids.to(torch.int32), s13["weight"], s2["weight"], **scales)
     assert ref.relative_error(again, expected) < tolerance
-    return ref.relative_error(out, ref.moe_reference(x, logits, w13, w2, ks.routing, m.activation))
+    plain = torch.zeros_like(expected)
+    for expert in torch.unique(ids).tolist():  # the unquantized layer, one expert at a time
+        rows, slots = (ids == expert).nonzero(as_tuple=True)
+        w13, w2 = unquantized(expert)
+        y = ref.gated_mlp_reference(x[rows], w13, w2, m.activation)
+        plain.index_add_(0, rows, y * weights[rows, slots].unsqueeze(1))
+    return ref.relative_error(out, plain)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the interpreter cases: on a GPU the -m gpu cases run")
@@ -159,16 +191,16 @@ def test_a_quantized_package_names_missing_or_foreign_scales(package_factory):
         plain.fused_moe(x, logits, torch.randn(6, 160, 96), torch.randn(6, 96, 80), w13_scale=s13["scale"])
 
 
-GPU_T = (1, 7, 64, 1000)
+GPU_T = (1, 7, 64, 1000, 4096)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
-@pytest.mark.parametrize("fmt_name", ["int4_g128", "int4_g64_zero", "fp8_block"])
+@pytest.mark.parametrize("fmt_name", ["int4_g128", "int4_g64_zero", "fp8_block", "fp8_channel"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_quantized_kernels_match_the_reference_on_the_gpu(shape, fmt_name, package_factory):
     fields = FORMATS[fmt_name]
-    pkg = package_factory(buckets=(1, 8, 64, 1024), dtype="bfloat16", **GPU_SHAPES[shape], **fields)
+    pkg = package_factory(buckets=(1, 8, 64, 1024, 4096), dtype="bfloat16", **GPU_SHAPES[shape], **fields)
     for tokens in GPU_T:
         for routing in ("random", "one_expert"):
             against_bf16 = _check_format(pkg, fields, Case(f"gpu{tokens}{routing}", tokens, routing), "cuda", 1.5e-2)
