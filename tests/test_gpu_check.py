@@ -25,8 +25,13 @@ _NUMPY = tuple(int(part) for part in numpy.__version__.split(".")[:2])
                     reason=f"Triton 3.6's interpreter needs numpy<2.4; this machine has numpy {numpy.__version__}")
 def test_cpu_smoke_run_reports_every_table(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
+    # tiny, and tiny with int4 experts: the quantized spec's rows against the bf16 spec's
+    quantized = tmp_path / "tiny-int4.yaml"
+    quantized.write_text((REPO / "specs" / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-int4").replace(
+        "quantization: none\n  quantization_group_size: 128", "quantization: int4_group\n  quantization_group_size: 32"))
     result = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu-smoke", "--skip-tests",
-                             "--skip-offload"], env=env, capture_output=True, text=True, timeout=900)
+                             "--skip-offload", "--specs", f"tiny,{quantized}"], env=env, capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (tmp_path / "gpu_check.md").read_text()
     lines = report.splitlines()
@@ -38,3 +43,7 @@ def test_cpu_smoke_run_reports_every_table(tmp_path):
     assert [int(row[1]) for row in peers] == list(SMOKE_TOKENS)
     assert [(int(row[1]), int(row[2])) for row in stacked] == [(t, 2) for t in SMOKE_TOKENS]  # 2 layers on the CPU
     assert all("WRONG" not in cell for row in peers + stacked for cell in row)
+    quantized_at = lines.index("## Quantized experts against moegen's bf16")
+    section_end = next(i for i in range(quantized_at + 1, len(lines)) if lines[i].startswith("## "))
+    compared = [line.split(" | ") for line in lines[quantized_at:section_end] if line.startswith("| tiny-int4 |")]
+    assert [int(row[1]) for row in compared] == list(SMOKE_TOKENS)

@@ -193,10 +193,11 @@ def resolve_spec(name: str) -> Path:
     path = Path(name)
     if path.suffix in (".yaml", ".yml") and path.exists():
         return path.resolve()
-    candidate = REPO_ROOT / "specs" / f"{name}.yaml"
-    if candidate.exists():
-        return candidate
-    raise FileNotFoundError(f"no spec {name!r} (looked for {candidate})")
+    for folder in ("specs", "specs/untuned"):  # shipped, then untuned (the quantized variants among them)
+        candidate = REPO_ROOT / folder / f"{name}.yaml"
+        if candidate.exists():
+            return candidate
+    raise FileNotFoundError(f"no spec {name!r} (looked in specs/ and specs/untuned/)")
 
 
 def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[Stack], list[str]]:
@@ -217,6 +218,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     from moegen.bench.peers import EAGER_ONLY, implementations
 
     m, ks = pkg.SPEC.model, pkg.KERNELS
+    spec_name = pkg.SPEC.name  # rows are labelled by the spec's name, also where a path was given
     h, inter, e = m.hidden_size, m.intermediate_size, m.num_experts
     tol = ref.TOLERANCE[m.dtype]
     # One buffer holds the experts, so that the stacked layers' copies of it can be read whole.
@@ -239,7 +241,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
             for record in (first_ms, second_ms):
                 timer.sync()
                 start = time.perf_counter()
-                pkg.fused_moe(x, logits, work.w13, work.w2, correction_bias=work.bias)
+                work.kernel_call(x, logits, work.w13, work.w2)
                 timer.sync()
                 record[t] = (time.perf_counter() - start) * 1e3
         finally:
@@ -381,6 +383,27 @@ def stack_table(stacks: list[Stack]) -> list[str]:
     return out
 
 
+QUANTIZED_SUFFIXES = ("-int4", "-fp8")  # specs/untuned/<shipped>-int4.yaml, -fp8.yaml
+
+
+def quantized_table(rows: list) -> list[str]:
+    """Each quantized spec's moegen time against its bf16 spec's at the same T (both in this
+    run), and against the read-only time of its own floor's bytes."""
+    from moegen.bench.report import fmt_us
+
+    moegen_us = {(r.spec, r.tokens): r.results["moegen"].us for r in rows if "moegen" in r.results}
+    out = ["| spec | T | moegen us | bf16 moegen us | speedup | read-only us | time / read-only |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = next((r.spec[:-len(s)] for s in QUANTIZED_SUFFIXES if r.spec.endswith(s)), None)
+        us, bf16 = moegen_us.get((r.spec, r.tokens)), moegen_us.get((base, r.tokens))
+        if base is None or us is None or bf16 is None:
+            continue
+        read = (fmt_us(r.read_us), f"{us / r.read_us:.2f}") if r.read_us else ("-", "-")
+        out.append(f"| {r.spec} | {r.tokens} | {fmt_us(us)} | {fmt_us(bf16)} | {bf16 / us:.2f}x | {read[0]} | {read[1]} |")
+    return out if len(out) > 2 else []
+
+
 def cold_table(colds: list[Cold]) -> list[str]:
     out = ["| spec | build s | kernels shipped | import ms | first call after import, ms, per bucket (second call) "
            "| worst first-call overhead ms | compiled at first call |",
@@ -488,6 +511,16 @@ def main(argv=None) -> int:
     for line in notes(rows):
         say(line)
     say()
+    quantized = quantized_table(rows)
+    if quantized:
+        say("## Quantized experts against moegen's bf16")
+        say()
+        for line in quantized:
+            say(line)
+        say()
+        say("- speedup: the bf16 spec's moegen time / the quantized spec's, same T, same run; time / read-only: "
+            "against one streaming read of the quantized cell's floor bytes (weights, scales, activations)")
+        say()
     if stacks:
         say(f"## In a stack of layers (T <= {STACK_MAX_TOKENS})")
         say()
