@@ -701,38 +701,29 @@ def _decode_routed(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights
                    num_experts: int, scales: WeightScales):
     """The one-launch decode kernel on the caller's picks (num_experts: the weights' first
     dimension, the slots of an offload pool)."""
-    num_tokens, device = hidden_states.shape[0], hidden_states.device
-    h, i = ks.hidden_size, ks.intermediate_size
-    x, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
-    work = decode_workspace(h, device)
-    out = torch.empty((num_tokens, h), dtype=ks.dtype, device=device)
-    use_tma = uses_tma(ks, cfg) and tma_compatible(w13, w2)
-    if use_tma:
-        w13_arg = _descriptor(w13, [1, cfg.decode_block_n, cfg.decode_block_k])
-        w2_arg = _descriptor(w2, [1, cfg.decode_block_h, cfg.decode_block_n])
-    else:
-        w13_arg, w2_arg = w13, w2
-    pdl = pdl_supported(device)
-    launch(ks.decode_routed, decode_grid(num_tokens, ks.top_k, num_experts, i, cfg.decode_block_n), None,
-           topk_weights.contiguous(), topk_ids.contiguous(), x, w13_arg, *scales.w13, w2_arg, *scales.w2, work,
-           num_tokens, x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-           BLOCK_T=decode_routed_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-           BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
-           L2_EVICT_FIRST=l2_evict_first(ks, cfg, use_tma), USE_PDL=pdl,
-           num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
-    launch(ks.decode_finish, (_cdiv(out.numel(), DECODE_FINISH_BLOCK),), None,
-           work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))
-    return out
+    return _decode_launches(ks, cfg, ks.decode_routed, (topk_weights.contiguous(), topk_ids.contiguous()), (),
+                            num_experts, decode_routed_block_t(ks, hidden_states.shape[0]), hidden_states, w13, w2,
+                            scales)
 
 
 def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2,
             scales: WeightScales):
+    logits = router_logits.contiguous()
+    # without a bias the kernel never reads the pointer: the workspace stands in
+    bias = correction_bias.contiguous() if correction_bias is not None else \
+        decode_workspace(ks.hidden_size, hidden_states.device)
+    return _decode_launches(ks, cfg, ks.decode, (logits, bias), (logits.stride(0),), ks.num_experts,
+                            decode_block_t(ks, hidden_states.shape[0]), hidden_states, w13, w2, scales)
+
+
+def _decode_launches(ks: KernelSet, cfg: KernelConfig, kernel, routing: tuple, routing_strides: tuple,
+                     num_experts: int, block_t: int, hidden_states, w13, w2, scales: WeightScales):
+    """A decode kernel (routing its tokens or reading the caller's picks: `routing`'s tensors
+    and strides lead its arguments), then the finishing kernel that writes the output."""
     num_tokens, device = hidden_states.shape[0], hidden_states.device
-    h, i = ks.hidden_size, ks.intermediate_size
-    x, logits, w13, w2 = hidden_states.contiguous(), router_logits.contiguous(), w13.contiguous(), w2.contiguous()
-    work = decode_workspace(h, device)
-    bias = correction_bias.contiguous() if correction_bias is not None else work  # unused pointer
-    out = torch.empty((num_tokens, h), dtype=ks.dtype, device=device)
+    x, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
+    work = decode_workspace(ks.hidden_size, device)
+    out = torch.empty((num_tokens, ks.hidden_size), dtype=ks.dtype, device=device)
     use_tma = uses_tma(ks, cfg) and tma_compatible(w13, w2)
     if use_tma:
         w13_arg = _descriptor(w13, [1, cfg.decode_block_n, cfg.decode_block_k])
@@ -740,10 +731,10 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
     else:
         w13_arg, w2_arg = w13, w2
     pdl = pdl_supported(device)
-    launch(ks.decode, decode_grid(num_tokens, ks.top_k, ks.num_experts, i, cfg.decode_block_n), None,
-           logits, bias, x, w13_arg, *scales.w13, w2_arg, *scales.w2, work,
-           num_tokens, logits.stride(0), x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-           BLOCK_T=decode_block_t(ks, num_tokens), BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+    launch(kernel, decode_grid(num_tokens, ks.top_k, num_experts, ks.intermediate_size, cfg.decode_block_n), None,
+           *routing, x, w13_arg, *scales.w13, w2_arg, *scales.w2, work,
+           num_tokens, *routing_strides, x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+           BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
            BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
            L2_EVICT_FIRST=l2_evict_first(ks, cfg, use_tma), USE_PDL=pdl,
            num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
