@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from moegen.errors import MoegenError
-from moegen.quant.formats import FP8_BLOCK, WeightFormat
+from moegen.quant.formats import FP8_BLOCK, WeightFormat, cdiv
 from moegen.quant.quantize import pack_int4
 
 METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
@@ -33,10 +33,6 @@ class CheckpointError(MoegenError):
     """A checkpoint's expert tensors that do not fit the spec's weight format: bad input."""
 
     exit_code = 2
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def infer_method(suffixes) -> str | None:
@@ -101,7 +97,7 @@ def repack(tensors: dict, method: str, fmt: WeightFormat, n: int, k: int, name: 
 def _fp8(tensors: dict, fmt: WeightFormat, n: int, k: int, name: str) -> dict:
     weight = _expect(f"{name}.weight", tensors.get("weight"), (n, k), (torch.float8_e4m3fn,), "float8_e4m3fn weights")
     if fmt.quantization == "fp8_block":
-        blocks = (_cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK))
+        blocks = (cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK))
         scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
         label = "weight_scale_inv" if "weight_scale_inv" in tensors else "weight_scale"
         scale = _expect(f"{name}.{label}", scale, blocks, _FLOATS, f"one scale per {FP8_BLOCK} x {FP8_BLOCK} block")
@@ -115,9 +111,7 @@ def _fp8(tensors: dict, fmt: WeightFormat, n: int, k: int, name: str) -> dict:
 
 def _int4(q_nk: torch.Tensor, scale_nk: torch.Tensor, zero_nk, fmt: WeightFormat, name: str) -> dict:
     """moegen's int4 storage of values q [N, K] (0..15), scales and zero points [N, K/G]."""
-    from moegen.quant.quantize import _TORCH_DTYPES
-
-    stored = {"weight": pack_int4(q_nk.to(torch.uint8)[None])[0], "scale": scale_nk.to(_TORCH_DTYPES[fmt.dtype])}
+    stored = {"weight": pack_int4(q_nk.to(torch.uint8)[None])[0], "scale": scale_nk.to(getattr(torch, fmt.dtype))}
     if fmt.zero_point:
         stored["zero"] = zero_nk.to(torch.uint8)
     elif not bool((zero_nk == 8).all()):
@@ -127,10 +121,10 @@ def _int4(q_nk: torch.Tensor, scale_nk: torch.Tensor, zero_nk, fmt: WeightFormat
 
 
 def _awq(tensors: dict, fmt: WeightFormat, n: int, k: int, group: int, name: str) -> dict:
-    groups = _cdiv(k, group)
+    groups = cdiv(k, group)
     what = f"AWQ's GEMM layout, groups of {group} (the spec's quantization_group_size)"
-    qweight = _expect(f"{name}.qweight", tensors.get("qweight"), (k, _cdiv(n, 8)), _INT32, what)
-    qzeros = _expect(f"{name}.qzeros", tensors.get("qzeros"), (groups, _cdiv(n, 8)), _INT32, what)
+    qweight = _expect(f"{name}.qweight", tensors.get("qweight"), (k, cdiv(n, 8)), _INT32, what)
+    qzeros = _expect(f"{name}.qzeros", tensors.get("qzeros"), (groups, cdiv(n, 8)), _INT32, what)
     scales = _expect(f"{name}.scales", tensors.get("scales"), (groups, n), _FLOATS, what)
     q = unpack_int32(qweight, 1, AWQ_ORDER)[:, :n]  # [K, N]
     zero = unpack_int32(qzeros, 1, AWQ_ORDER)[:, :n]  # [K/G, N]
@@ -138,10 +132,10 @@ def _awq(tensors: dict, fmt: WeightFormat, n: int, k: int, group: int, name: str
 
 
 def _gptq(tensors: dict, fmt: WeightFormat, n: int, k: int, group: int, name: str) -> dict:
-    groups = _cdiv(k, group)
+    groups = cdiv(k, group)
     what = f"GPTQ's layout, groups of {group} (the spec's quantization_group_size)"
-    qweight = _expect(f"{name}.qweight", tensors.get("qweight"), (_cdiv(k, 8), n), _INT32, what)
-    qzeros = _expect(f"{name}.qzeros", tensors.get("qzeros"), (groups, _cdiv(n, 8)), _INT32, what)
+    qweight = _expect(f"{name}.qweight", tensors.get("qweight"), (cdiv(k, 8), n), _INT32, what)
+    qzeros = _expect(f"{name}.qzeros", tensors.get("qzeros"), (groups, cdiv(n, 8)), _INT32, what)
     scales = _expect(f"{name}.scales", tensors.get("scales"), (groups, n), _FLOATS, what)
     g_idx = tensors.get("g_idx")
     if g_idx is not None:
@@ -155,19 +149,18 @@ def _gptq(tensors: dict, fmt: WeightFormat, n: int, k: int, group: int, name: st
 
 
 def _compressed_int4(tensors: dict, fmt: WeightFormat, n: int, k: int, group: int, name: str) -> dict:
-    groups = _cdiv(k, group)
+    groups = cdiv(k, group)
     what = f"compressed-tensors pack-quantized, 4 bits in groups of {group}"
     shape = tensors.get("weight_shape")
     if shape is not None and [int(v) for v in shape.reshape(-1).tolist()] != [n, k]:
         raise CheckpointError(f"{name}.weight_shape: {[int(v) for v in shape.reshape(-1).tolist()]}, expected {[n, k]}")
-    packed = _expect(f"{name}.weight_packed", tensors.get("weight_packed"), (n, _cdiv(k, 8)), _INT32, what)
+    packed = _expect(f"{name}.weight_packed", tensors.get("weight_packed"), (n, cdiv(k, 8)), _INT32, what)
     scale = _expect(f"{name}.weight_scale", tensors.get("weight_scale"), (n, groups), _FLOATS, what)
     q = unpack_int32(packed, 1)[:, :k]  # [N, K], each stored plus 8
     zero_point = tensors.get("weight_zero_point")
     if zero_point is None:
         zero = torch.full((n, groups), 8, dtype=torch.int64, device=q.device)
-    elif tuple(zero_point.shape) == (_cdiv(n, 8), groups) and zero_point.dtype == torch.int32 and n % 8 == 0 \
-            and n != _cdiv(n, 8):
+    elif tuple(zero_point.shape) == (cdiv(n, 8), groups) and zero_point.dtype == torch.int32 and n % 8 == 0:
         zero = unpack_int32(zero_point, 0)[:n]  # packed along N, plus 8 like the values
     else:
         zero = _expect(f"{name}.weight_zero_point", zero_point, (n, groups), (torch.int8, torch.int32, torch.int64),

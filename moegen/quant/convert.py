@@ -21,7 +21,7 @@ import torch
 
 from moegen.errors import UsageError
 from moegen.quant.formats import FP8_BLOCK, WeightFormat
-from moegen.quant.quantize import quantize
+from moegen.quant.quantize import quantize, unpack_int4
 
 # A routed expert's projection in a per-expert checkpoint (Mixtral's w1/w3/w2, the others'
 # gate/up/down_proj); shared experts have no expert number and stay as they are.
@@ -60,8 +60,6 @@ def quantized_tensors(base: str, weight: torch.Tensor, fmt: WeightFormat) -> dic
         return {f"{base}.weight": stored["weight"], f"{base}.weight_scale_inv": stored["scale"]}
     if fmt.quantization == "fp8_channel":
         return {f"{base}.weight": stored["weight"], f"{base}.weight_scale": stored["scale"][:, None]}
-    from moegen.quant.quantize import unpack_int4
-
     tensors = {f"{base}.weight_packed": pack_int32(unpack_int4(stored["weight"], k), 1),
                f"{base}.weight_scale": stored["scale"], f"{base}.weight_shape": torch.tensor([n, k])}
     if fmt.zero_point:

@@ -28,7 +28,7 @@ FP8_MIN_ARCH = 89  # fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) on
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -69,11 +69,11 @@ class WeightFormat:
         if self.quantization == "none":
             return {"weight": (e, n, k)}
         if self.quantization == "fp8_block":
-            return {"weight": (e, n, k), "scale": (e, _cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK))}
+            return {"weight": (e, n, k), "scale": (e, cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK))}
         if self.quantization == "fp8_channel":
             return {"weight": (e, n, k), "scale": (e, n)}
-        groups = _cdiv(k, self.group_size)
-        shapes = {"weight": (e, n, _cdiv(k, 2)), "scale": (e, n, groups)}
+        groups = cdiv(k, self.group_size)
+        shapes = {"weight": (e, n, cdiv(k, 2)), "scale": (e, n, groups)}
         if self.zero_point:
             shapes["zero"] = (e, n, groups)
         return shapes
@@ -83,7 +83,7 @@ class WeightFormat:
         multiple of the block)."""
         shapes = self.shapes(2 * inter, hidden, experts)
         if self.quantization == "fp8_block":
-            shapes["scale"] = (experts, 2 * _cdiv(inter, FP8_BLOCK), _cdiv(hidden, FP8_BLOCK))
+            shapes["scale"] = (experts, 2 * cdiv(inter, FP8_BLOCK), cdiv(hidden, FP8_BLOCK))
         return shapes
 
     def element_bytes(self, name: str) -> int:

@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from moegen.quant.formats import FP8_BLOCK, FP8_MAX, INT4_SYMMETRIC_ZERO, WeightFormat
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from moegen.quant.formats import FP8_BLOCK, FP8_MAX, INT4_SYMMETRIC_ZERO, WeightFormat, cdiv
 
 
 def _blocks(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """w [E, N, K] zero-padded to whole blocks and viewed as [E, N/rows, rows, K/cols, cols]."""
     e, n, k = w.shape
-    padded = torch.zeros(e, _cdiv(n, rows) * rows, _cdiv(k, cols) * cols, dtype=w.dtype, device=w.device)
+    padded = torch.zeros(e, cdiv(n, rows) * rows, cdiv(k, cols) * cols, dtype=w.dtype, device=w.device)
     padded[:, :n, :k] = w
     return padded.view(e, padded.shape[1] // rows, rows, padded.shape[2] // cols, cols)
 
@@ -40,7 +34,7 @@ def quantize(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
     if w.dim() != 3:
         raise ValueError(f"expected weights [experts, outputs, inputs], got shape {list(w.shape)}")
     if fmt.quantization == "none":
-        return {"weight": w.detach().to(_TORCH_DTYPES[fmt.dtype])}
+        return {"weight": w.detach().to(getattr(torch, fmt.dtype))}
     w = w.detach().to(torch.float32)
     e, n, k = w.shape
     if fmt.quantization == "fp8_block":
@@ -52,7 +46,7 @@ def quantize(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
         scale = _scale_of(w.abs().amax(dim=2), FP8_MAX)  # [E, N]
         return {"weight": _fp8(w / scale[:, :, None]), "scale": scale}
     groups = _blocks(w, 1, fmt.group_size).view(e, n, -1, fmt.group_size)  # [E, N, K/G, G]
-    scale_dtype = _TORCH_DTYPES[fmt.dtype]
+    scale_dtype = getattr(torch, fmt.dtype)
     if fmt.zero_point:
         low, high = groups.amin(dim=3).clamp(max=0), groups.amax(dim=3).clamp(min=0)
         scale = _scale_of(high - low, 15.0).to(scale_dtype)

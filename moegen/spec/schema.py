@@ -9,11 +9,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from moegen.quant.formats import INT4_GROUP_SIZES, QUANTIZATIONS, WeightFormat
+from moegen.quant.formats import DTYPE_BYTES, INT4_GROUP_SIZES, QUANTIZATIONS, WeightFormat
 
 ACTIVATIONS = ("silu", "gelu")
 SCORINGS = ("softmax", "sigmoid")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPES = tuple(DTYPE_BYTES)
 OFFLOAD_POLICIES = ("lru", "lfu", "pinned_lru", "decayed_lfu", "neighbor_lfu")
 PREFETCH_MODES = ("none", "router", "history", "xlayer", "neighbors")
