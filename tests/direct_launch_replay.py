@@ -85,12 +85,11 @@ def main(spec: str, tokens: list[int]) -> dict:
     bias = torch.rand(m.num_experts, generator=generator) if m.correction_bias else None
     scales = {}
     if ks.weight_format.quantized:  # the experts as their format stores them, with their scales
+        from moegen.quant.formats import scale_arguments
         from moegen.quant.quantize import quantize, quantize_w13
 
         stored13, stored2 = quantize_w13(w13, ks.weight_format), quantize(w2, ks.weight_format)
-        w13, w2 = stored13.pop("weight"), stored2.pop("weight")
-        scales = {f"{proj}_{part}": value for proj, stored in (("w13", stored13), ("w2", stored2))
-                  for part, value in stored.items()}
+        w13, w2, scales = stored13["weight"], stored2["weight"], scale_arguments(stored13, stored2)
     inputs = [(torch.randn(t, m.hidden_size, generator=generator).to(ks.dtype),
                separated_router_logits(t, ks.routing, bias, generator=generator)) for t in tokens]
     rounds = []

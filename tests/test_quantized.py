@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moegen import reference as ref
-from moegen.quant.formats import WeightFormat
+from moegen.quant.formats import WeightFormat, scale_arguments
 from moegen.quant.quantize import dequantize, dequantize_w13, pack_int4, quantize, quantize_w13, unpack_int4
 
 HAS_GPU = torch.cuda.is_available()
@@ -136,8 +136,7 @@ def _check_format(pkg, fields: dict, case: Case, device: str, tolerance: float):
     fmt = ks.weight_format
     g = torch.Generator().manual_seed(_seed(pkg.SPEC.name, case.name))
     s13, s2, unquantized = _stored_experts(pkg, f"{pkg.SPEC.name}/{case.name}", device)
-    scales = {f"{proj}_{part}": value for proj, stored in (("w13", s13), ("w2", s2))
-              for part, value in stored.items() if part != "weight"}
+    scales = scale_arguments(s13, s2)
     bias = ref.balanced_correction_bias(m.num_experts, device) if m.correction_bias else None
     x = torch.randn(case.tokens, m.hidden_size, generator=g).to(device=device, dtype=ks.dtype)
     logits = _logits(case, ks.routing, case.tokens, g, device, bias)

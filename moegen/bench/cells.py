@@ -14,6 +14,7 @@ import torch
 from moegen import reference as ref
 from moegen.bench.peers import EAGER_ONLY
 from moegen.bench.roofline import Ceilings, Floor, Timer, floor_of, read_only_us
+from moegen.quant.formats import scale_arguments
 from moegen.quant.quantize import dequantize, dequantize_w13, quantize, quantize_w13
 from moegen.runtime.routing import route
 
@@ -79,10 +80,8 @@ class Workload:
         if not self.fmt.quantized:
             return self.pkg.fused_moe(x, logits, w13, w2, correction_bias=self.bias)
         stored13, stored2 = self.stored(w13, w2)
-        scales = {f"{proj}_{part}": value for proj, stored in (("w13", stored13), ("w2", stored2))
-                  for part, value in stored.items() if part != "weight"}
         return self.pkg.fused_moe(x, logits, stored13["weight"], stored2["weight"], correction_bias=self.bias,
-                                  **scales)
+                                  **scale_arguments(stored13, stored2))
 
     def inputs(self, tokens: int):
         """(hidden states [T, H], router logits [T, E]), fresh."""

@@ -32,6 +32,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def stored_name(projection: str, part: str) -> str:
+    """The name layers, slot pools and calls give a projection's stored tensor: w13, w13_scale,
+    w2_zero, ..."""
+    return projection if part == "weight" else f"{projection}_{part}"
+
+
+def named_storage(stored13: dict, stored2: dict) -> dict:
+    """w13's and w2's storage (by part: weight, scale, zero) under their stored names."""
+    return {stored_name(projection, part): value for projection, stored in (("w13", stored13), ("w2", stored2))
+            for part, value in stored.items()}
+
+
+def scale_arguments(stored13: dict, stored2: dict) -> dict:
+    """The scales and zero points of w13's and w2's storage as fused_moe's keyword arguments."""
+    return {name: value for name, value in named_storage(stored13, stored2).items() if name not in ("w13", "w2")}
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     """One spec's expert weight format: its quantization and the sizes that shape its storage."""

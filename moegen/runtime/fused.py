@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from moegen import knobs
-from moegen.quant.formats import WeightFormat
+from moegen.quant.formats import WeightFormat, stored_name
 from moegen.runtime.align import Alignment, align_tokens, aligned_rows, expected_blocks, max_padded_slots
 from moegen.runtime.launch import launch
 from moegen.runtime.routing import RoutingParams
@@ -309,17 +309,26 @@ def stored_dtype(ks: KernelSet, name: str) -> torch.dtype:
     return torch.float32 if fmt.fp8 else ks.dtype  # int4's scales: the model dtype
 
 
+def stored_tensors(ks: KernelSet, experts: int) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Each stored tensor of `experts` experts (w13, w13_scale, w2, ...) -> (shape, dtype) in the
+    kernels' format."""
+    fmt, h, i = ks.weight_format, ks.hidden_size, ks.intermediate_size
+    return {stored_name(projection, part): (shape, stored_dtype(ks, part))
+            for projection, shapes in (("w13", fmt.w13_shapes(h, i, experts)), ("w2", fmt.shapes(h, i, experts)))
+            for part, shape in shapes.items()}
+
+
 def _check_projection(ks: KernelSet, name: str, tensors: dict, shapes: dict, device) -> None:
     """One projection's stored tensors checked against the format's shapes and dtypes."""
     for part, shape in shapes.items():
-        label = name if part == "weight" else f"{name}_{part}"
+        label = stored_name(name, part)
         value = tensors.get(part)
         if value is None and part != "weight":
             raise ValueError(f"{label}: missing; this package's experts are {ks.weight_format.quantization} "
                              f"(moegen/quant/formats.py): pass {label}=[{', '.join(map(str, shape))}] "
                              f"{stored_dtype(ks, part)}")
         _check(label, value, shape, stored_dtype(ks, part), device)
-    extra = sorted(f"{name}_{part}" for part, value in tensors.items() if value is not None and part not in shapes)
+    extra = sorted(stored_name(name, part) for part, value in tensors.items() if value is not None and part not in shapes)
     if extra:
         raise ValueError(f"{', '.join(extra)}: this package's experts are {ks.weight_format.quantization}, which has "
                          "no such tensor; leave it out")

@@ -13,6 +13,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+from moegen.quant.formats import named_storage
+from moegen.quant.quantize import quantize, quantize_w13
+
 # Checkpoint names per expert projection: Mixtral (w1 gate, w3 up, w2 down) and the
 # Qwen/DeepSeek/OLMoE style (gate_proj, up_proj, down_proj).
 PROJECTION_NAMES = {"mixtral": ("w1", "w3", "w2"), "llama": ("gate_proj", "up_proj", "down_proj")}
@@ -53,16 +56,11 @@ class HostExperts:
     def quantized(self, fmt) -> "HostExperts":
         """These unquantized experts in a quantized format (moegen.quant.quantize), layer by
         layer and expert by expert into new pinned buffers."""
-        from moegen.quant.quantize import quantize, quantize_w13
-
         parts: dict[str, list] = {}
         for w13, w2 in zip(self.w13, self.w2):
             stored = {"w13": None, "w2": None}
             for e in range(w13.shape[0]):
-                one = {("w13" if part == "weight" else f"w13_{part}"): value
-                       for part, value in quantize_w13(w13[e:e + 1], fmt).items()}
-                one |= {("w2" if part == "weight" else f"w2_{part}"): value
-                        for part, value in quantize(w2[e:e + 1], fmt).items()}
+                one = named_storage(quantize_w13(w13[e:e + 1], fmt), quantize(w2[e:e + 1], fmt))
                 for name, value in one.items():
                     if stored.get(name) is None:
                         stored[name] = _pinned_empty((w13.shape[0], *value.shape[1:]), value.dtype)

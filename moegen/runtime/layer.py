@@ -9,6 +9,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from moegen.quant.checkpoint import METHODS, CheckpointError, infer_method, repack
+from moegen.quant.formats import named_storage, stored_name
+from moegen.quant.quantize import quantize, quantize_w13
 from moegen.runtime import compile_op, fused
 from moegen.runtime.host_experts import PROJECTION_NAMES
 
@@ -50,15 +53,8 @@ class MoELayerBase(torch.nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.gate = Router(m.hidden_size, m.num_experts, getattr(torch, m.router_dtype) if m.router_dtype else dtype,
                            device)
-        fmt = self.kernels.weight_format
-        shapes = {"w13": fmt.w13_shapes(m.hidden_size, m.intermediate_size, m.num_experts),
-                  "w2": fmt.shapes(m.hidden_size, m.intermediate_size, m.num_experts)}
-        for proj, parts in shapes.items():
-            for part, shape in parts.items():
-                name = proj if part == "weight" else f"{proj}_{part}"
-                stored = fused.stored_dtype(self.kernels, part)
-                setattr(self, name, torch.nn.Parameter(torch.empty(shape, device=device, dtype=stored),
-                                                       requires_grad=False))
+        for name, (shape, stored) in fused.stored_tensors(self.kernels, m.num_experts).items():
+            setattr(self, name, torch.nn.Parameter(torch.empty(shape, device=device, dtype=stored), requires_grad=False))
         # DeepSeek-V3 keeps its selection bias in float32.
         self.correction_bias = (
             torch.nn.Parameter(torch.zeros(m.num_experts, device=device, dtype=torch.float32),
@@ -76,30 +72,31 @@ class MoELayerBase(torch.nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         m = self.spec.model
-        quantized = self.kernels.weight_format.quantized
-        if quantized:  # drawn unquantized, then quantized
-            staging = dict(device=self.gate.weight.device, dtype=self.kernels.dtype)
-            w13 = torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **staging)
-            w2 = torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **staging)
-        else:
-            w13, w2 = self.w13, self.w2
+        w13, w2 = self._unquantized_experts()  # quantized experts: drawn unquantized, then quantized
         for weight, fan_in in ((self.gate.weight, m.hidden_size), (w13, m.hidden_size), (w2, m.intermediate_size),
                                (self.shared_w13, m.hidden_size), (self.shared_w2, max(m.shared_intermediate_size, 1))):
             if weight is not None:
                 weight.normal_(0.0, fan_in ** -0.5)
-        if quantized:
+        if self.kernels.weight_format.quantized:
             self.set_experts(w13, w2)
+
+    def _unquantized_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where unquantized expert weights go: the parameters, or for quantized experts staging
+        tensors in the model dtype, which set_experts quantizes."""
+        if not self.kernels.weight_format.quantized:
+            return self.w13, self.w2
+        m = self.spec.model
+        staging = dict(device=self.gate.weight.device, dtype=self.kernels.dtype)
+        return (torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **staging),
+                torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **staging))
 
     @torch.no_grad()
     def set_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Every expert from unquantized weights w13 [E, 2I, H] (gate rows, then up) and w2
         [E, H, I], quantized as the spec's format stores them."""
-        from moegen.quant.quantize import quantize, quantize_w13
-
         fmt = self.kernels.weight_format
-        for proj, stored in (("w13", quantize_w13(w13, fmt)), ("w2", quantize(w2, fmt))):
-            for part, value in stored.items():
-                getattr(self, proj if part == "weight" else f"{proj}_{part}").copy_(value)
+        for name, value in named_storage(quantize_w13(w13, fmt), quantize(w2, fmt)).items():
+            getattr(self, name).copy_(value)
 
     def expert_scales(self) -> dict:
         """The quantized experts' scales (and zero points) as fused_moe takes them (empty: unquantized)."""
@@ -156,14 +153,7 @@ class MoELayerBase(torch.nn.Module):
         quantized = self.kernels.weight_format.quantized
         m = self.spec.model
         method = self._checkpoint_method(state_dict, prefix, quant_method) if quantized else None
-        if method is not None:
-            w13 = w2 = None
-        elif quantized:
-            staging = dict(device=self.gate.weight.device, dtype=self.kernels.dtype)
-            w13 = torch.empty(m.num_experts, 2 * m.intermediate_size, m.hidden_size, **staging)
-            w2 = torch.empty(m.num_experts, m.hidden_size, m.intermediate_size, **staging)
-        else:
-            w13, w2 = self.w13, self.w2
+        w13, w2 = (None, None) if method is not None else self._unquantized_experts()
         targets = {prefix + name: dest for name, dest in self._hf_targets(state_dict, prefix, w13, w2)}
         stored, used = self._repacked_experts(state_dict, prefix, method) if method else ({}, set())
         missing = [key for key in targets if key not in state_dict]
@@ -202,8 +192,6 @@ class MoELayerBase(torch.nn.Module):
 
     def _checkpoint_method(self, state_dict: dict, prefix: str, quant_method: Optional[str]) -> Optional[str]:
         """The layout of a quantized checkpoint's experts (None: unquantized weights, to quantize)."""
-        from moegen.quant.checkpoint import METHODS, CheckpointError, infer_method
-
         if quant_method is not None and quant_method not in METHODS:
             raise CheckpointError(f"quant_method {quant_method!r}: moegen reads {', '.join(METHODS)}, or None to tell "
                                   "it from the tensors")
@@ -218,8 +206,6 @@ class MoELayerBase(torch.nn.Module):
     def _repacked_experts(self, state_dict: dict, prefix: str, method: str) -> tuple[dict, set]:
         """({parameter name: staged value}, the checkpoint keys read) of every expert's quantized
         projections, repacked (nothing is written to the layer yet)."""
-        from moegen.quant.checkpoint import repack
-
         m, fmt = self.spec.model, self.kernels.weight_format
         h, inter = m.hidden_size, m.intermediate_size
         stored = {name: torch.empty_like(param) for name, param in self.named_parameters()
@@ -237,7 +223,7 @@ class MoELayerBase(torch.nn.Module):
                 tensors = {key[len(base):]: state_dict[key] for key in state_dict if key.startswith(base)}
                 used.update(base + suffix for suffix in tensors)
                 for part, value in repack(tensors, method, fmt, n, k, base[:-1]).items():
-                    target = proj if part == "weight" else f"{proj}_{part}"
+                    target = stored_name(proj, part)
                     stored[target][e, rows if part == "weight" or fmt.quantization != "fp8_block" else scale_rows] \
                         = value.to(stored[target].device)
         return stored, used

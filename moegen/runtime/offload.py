@@ -92,7 +92,7 @@ class OffloadedMoE:
                              f"{plan.num_experts} in {list(plan.slots_per_layer)}: build the engine from this plan")
         if host.num_layers != plan.num_layers:
             raise ValueError(f"host experts have {host.num_layers} layers, the plan {plan.num_layers}")
-        stored = _stored_shapes(kernels)
+        stored = fused.stored_tensors(kernels, kernels.num_experts)
         if sorted(host.parts) != sorted(stored):
             raise ValueError(f"host experts hold {sorted(host.parts)}, the package's {kernels.weight_format.quantization} "
                              f"experts {sorted(stored)}: HostExperts.quantized(package.KERNELS.weight_format) makes them")
@@ -271,16 +271,6 @@ class OffloadedMoE:
         scales = {name: value for name, value in pool.parts.items() if name not in ("w13", "w2")}
         return fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_ids, pool.parts["w13"],
                                             pool.parts["w2"], **scales)
-
-
-def _stored_shapes(kernels: fused.KernelSet) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Each stored tensor's name -> ([E, ...] shape, dtype) in the kernels' weight format."""
-    fmt, h, i, e = kernels.weight_format, kernels.hidden_size, kernels.intermediate_size, kernels.num_experts
-    shapes = {}
-    for proj, parts in (("w13", fmt.w13_shapes(h, i, e)), ("w2", fmt.shapes(h, i, e))):
-        for part, shape in parts.items():
-            shapes[proj if part == "weight" else f"{proj}_{part}"] = (shape, fused.stored_dtype(kernels, part))
-    return shapes
 
 
 def _chunks_that_fit(ids: list, slots: int) -> list[tuple[int, int]]:

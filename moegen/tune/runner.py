@@ -22,6 +22,7 @@ from moegen.package.writer import write_package
 from moegen.plan import plan
 from moegen.plan.configs import default_config
 from moegen.plan.cost_model import matrix_tflops
+from moegen.quant.formats import scale_arguments
 from moegen.quant.quantize import quantize, quantize_w13
 from moegen.render import kernel_templates
 from moegen.runtime.fused import KernelConfig, fused_moe
@@ -142,9 +143,7 @@ def _weights(ir: ModelIR, device: str) -> _Experts:
         return _Experts(w13, w2, {}, {"weight": w13}, {"weight": w2})
     stored13, stored2 = quantize_w13(w13, fmt), quantize(w2, fmt)
     del w13, w2
-    scales = {f"{proj}_{part}": value for proj, stored in (("w13", stored13), ("w2", stored2))
-              for part, value in stored.items() if part != "weight"}
-    return _Experts(stored13["weight"], stored2["weight"], scales, stored13, stored2)
+    return _Experts(stored13["weight"], stored2["weight"], scale_arguments(stored13, stored2), stored13, stored2)
 
 
 def _load_kernels(ir: ModelIR, workdir: Path):
