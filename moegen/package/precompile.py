@@ -153,6 +153,10 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             **as_dependent, **down_launch(cfg), grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
+            decode_options = dict(BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k, BLOCK_H=cfg.decode_block_h,
+                                  STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
+                                  USE_PDL=pdl, num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages,
+                                  grid=(1, 1))
             last = DECODE_MAX_TOKENS if bucket == ks.buckets[-1] else min(bucket, DECODE_MAX_TOKENS)
             tokens = set(range(previous + 1, last + 1))  # beyond the last bucket too
             if index == ks.eager_decode_bucket:  # and the host-paced eager calls of buckets that do not decode
@@ -161,10 +165,7 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             for block_t, logits_dtype in itertools.product(block_ts, logits_dtypes):
                 compiled.append(ks.decode.warmup(
                     logits_dtype, torch.float32, ks.dtype, w13, *scales13, w2, *scales2, *decode,
-                    BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-                    BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
-                    L2_EVICT_FIRST=evict_first, USE_PDL=pdl,
-                    num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, grid=(1, 1)))
+                    BLOCK_T=block_t, **decode_options))
             compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
                                                     num_warps=4, **as_dependent, grid=(1,)))
             # The same for callers who route themselves (their picks as routing gives them:
@@ -172,11 +173,9 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             own = range(previous + 1, last + 1)
             for block_t in sorted({decode_routed_block_t(ks, t) for t in own}):
                 compiled.append(ks.decode_routed.warmup(
-                    torch.float32, torch.int32, ks.dtype, w13, *scales13, w2, *scales2, *decode[:2], *decode[3:],
-                    BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
-                    BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
-                    L2_EVICT_FIRST=evict_first, USE_PDL=pdl,
-                    num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages, grid=(1, 1)))
+                    torch.float32, torch.int32, ks.dtype, w13, *scales13, w2, *scales2,
+                    *decode[:2], *decode[3:],  # no logits stride
+                    BLOCK_T=block_t, **decode_options))
         previous = bucket
     if launchers:
         for kernel in compiled:
