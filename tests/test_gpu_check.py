@@ -36,9 +36,13 @@ def test_cpu_smoke_run_reports_every_table(tmp_path):
     report = (tmp_path / "gpu_check.md").read_text()
     lines = report.splitlines()
     assert lines[-1].endswith("OK")
+    caller_at = lines.index("## Callers who route themselves: fused_experts against fused_moe")
     stack_at = lines.index("## In a stack of layers (T <= 512)")
     cold_at = lines.index("## Cold start (first call after import)")
-    peers = [line.split(" | ") for line in lines[:stack_at] if line.startswith("| tiny |")]
+    peers = [line.split(" | ") for line in lines[:caller_at] if line.startswith("| tiny |")]
+    callers = [line.split(" | ") for line in lines[caller_at:stack_at] if line.startswith("| tiny")]
+    assert [(row[0], int(row[1])) for row in callers] == [(f"| {spec}", t) for spec in ("tiny", "tiny-int4")
+                                                          for t in SMOKE_TOKENS]
     stacked = [line.split(" | ") for line in lines[stack_at:cold_at] if line.startswith("| tiny |")]
     assert [int(row[1]) for row in peers] == list(SMOKE_TOKENS)
     assert [(int(row[1]), int(row[2])) for row in stacked] == [(t, 2) for t in SMOKE_TOKENS]  # 2 layers on the CPU

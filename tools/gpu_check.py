@@ -69,6 +69,7 @@ SMOKE_SPECS = ("tiny",)
 SMOKE_TOKENS = (1, 5, 17)
 STACK_MAX_TOKENS = 512  # decode and middle cells, where a call's launch is a visible part of its time
 STACK_MAX_LAYERS = 8
+CALLER_MAX_TOKENS = 64  # fused_experts against fused_moe: the decode cells
 
 
 def parse_args(argv=None):
@@ -200,7 +201,8 @@ def resolve_spec(name: str) -> Path:
     raise FileNotFoundError(f"no spec {name!r} (looked in specs/ and specs/untuned/)")
 
 
-def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[Stack], list[str]]:
+def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[Stack],
+                                                               list["CallerRouted"], list[str]]:
     torch, device, timer, ceil, args = ctx["torch"], ctx["device"], ctx["timer"], ctx["ceil"], ctx["args"]
     from moegen import load
     from moegen import reference as ref
@@ -266,6 +268,10 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
             f"{n} {r.us:.1f} us" if r.us is not None else f"{n} n/a" for n, r in row.results.items()),
             file=sys.stderr, flush=True)
 
+    callers = [bench_caller_routed(ctx, work, spec_name, t) for t in args.token_list if t <= CALLER_MAX_TOKENS]
+    problems += [f"{c.spec} T={c.tokens}: fused_experts relative error {c.err} > {tol}" for c in callers
+                 if not c.err <= tol]
+
     stacks = []
     stack_tokens = [t for t in args.token_list if t <= STACK_MAX_TOKENS]
     if stack_tokens:
@@ -291,7 +297,47 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     gc.collect()
     if timer.cuda:
         torch.cuda.empty_cache()
-    return cold, rows, stacks, problems
+    return cold, rows, stacks, callers, problems
+
+
+@dataclass
+class CallerRouted:
+    spec: str
+    tokens: int
+    fused_moe_us: float
+    fused_experts_us: float
+    err: float  # fused_experts' relative error against the float64 reference
+
+
+def bench_caller_routed(ctx, work, spec_name: str, tokens: int) -> CallerRouted:
+    """fused_moe (routing in the kernels) against fused_experts given the same picks, routed
+    beforehand as a caller who routes itself does: each one call per CUDA-graph replay."""
+    timer = ctx["timer"]
+    from moegen import reference as ref
+    from moegen.runtime.routing import route
+    from moegen.runtime.step_graphs import capture_graph
+
+    x, logits = work.inputs(tokens)
+    weights, ids = route(logits, work.pkg.KERNELS.routing, work.bias)
+    calls = {"fused_moe": lambda: work.kernel_call(x, logits, work.w13, work.w2),
+             "fused_experts": lambda: work.experts_call(x, weights, ids, work.w13, work.w2)}
+    err = ref.relative_error(calls["fused_experts"](), work.reference(x, logits, work.w13, work.w2))
+    us = {}
+    for name, call in calls.items():
+        graph = capture_graph(call, warmups=2)[0] if timer.cuda else None
+        us[name] = timer.median_us(graph.replay if graph else call)
+        del graph
+    return CallerRouted(spec_name, tokens, us["fused_moe"], us["fused_experts"], err)
+
+
+def caller_routed_table(callers: list[CallerRouted]) -> list[str]:
+    from moegen.bench.report import fmt_err, fmt_us
+
+    out = ["| spec | T | fused_moe us | fused_experts us | fused_experts / fused_moe | fused_experts err |",
+           "|---|---:|---:|---:|---:|---|"]
+    out += [f"| {c.spec} | {c.tokens} | {fmt_us(c.fused_moe_us)} | {fmt_us(c.fused_experts_us)} "
+            f"| {c.fused_experts_us / c.fused_moe_us:.2f} | {fmt_err(c.err)} |" for c in callers]
+    return out
 
 
 def bank_numel(e: int, h: int, inter: int) -> int:
@@ -474,6 +520,7 @@ def main(argv=None) -> int:
     ctx = dict(torch=torch, device=device, timer=timer, ceil=ceil, args=args)
     rows: list[Row] = []
     stacks: list[Stack] = []
+    callers: list[CallerRouted] = []
     colds: list[Cold] = []
     problems: list[str] = []
     rate_before: dict[str, float] = {}  # the GEMM rate again before each spec: how far it drifts
@@ -485,7 +532,8 @@ def main(argv=None) -> int:
                 rate_before[spec_name] = measure_gemm_tflops()
                 torch.cuda.empty_cache()
             try:
-                cold, spec_rows, spec_stacks, spec_problems = bench_spec(ctx, spec_name, Path(build_dir))
+                cold, spec_rows, spec_stacks, spec_callers, spec_problems = bench_spec(ctx, spec_name,
+                                                                                      Path(build_dir))
             except Exception as exc:  # noqa: BLE001 - keep going with the other specs
                 traceback.print_exc()
                 problems.append(f"{spec_name}: {type(exc).__name__}: {exc}")
@@ -496,6 +544,7 @@ def main(argv=None) -> int:
             colds.append(cold)
             rows.extend(spec_rows)
             stacks.extend(spec_stacks)
+            callers.extend(spec_callers)
             problems.extend(spec_problems)
 
     say("## fused MoE: moegen vs peers")
@@ -520,6 +569,15 @@ def main(argv=None) -> int:
         say()
         say("- speedup: the bf16 spec's moegen time / the quantized spec's, same T, same run; time / read-only: "
             "against one streaming read of the quantized cell's floor bytes (weights, scales, activations)")
+        say()
+    if callers:
+        say("## Callers who route themselves: fused_experts against fused_moe")
+        say()
+        for line in caller_routed_table(callers):
+            say(line)
+        say()
+        say("- fused_experts is given the picks of moegen.runtime.routing.route, computed before the timing; "
+            "fused_moe routes in its kernels; each one call per CUDA-graph replay, as the table above")
         say()
     if stacks:
         say(f"## In a stack of layers (T <= {STACK_MAX_TOKENS})")

@@ -83,6 +83,14 @@ class Workload:
         return self.pkg.fused_moe(x, logits, stored13["weight"], stored2["weight"], correction_bias=self.bias,
                                   **scale_arguments(stored13, stored2))
 
+    def experts_call(self, x, weights, ids, w13, w2):
+        """moegen's fused_experts (the caller's picks) on the same weights as kernel_call."""
+        if not self.fmt.quantized:
+            return self.pkg.fused_experts(x, weights, ids, w13, w2)
+        stored13, stored2 = self.stored(w13, w2)
+        return self.pkg.fused_experts(x, weights, ids, stored13["weight"], stored2["weight"],
+                                      **scale_arguments(stored13, stored2))
+
     def inputs(self, tokens: int):
         """(hidden states [T, H], router logits [T, E]), fresh."""
         x = torch.randn(tokens, self.pkg.SPEC.model.hidden_size, generator=self.gen, device=self.device,
