@@ -9,7 +9,7 @@ all tokens on one expert, idle experts, and sizes off the block and off the grou
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -191,6 +191,17 @@ def test_a_quantized_package_names_missing_or_foreign_scales(package_factory):
     plain = package_factory(buckets=(1,), dtype="float32", router_dtype="float32", **CPU_SHAPES["int4"])
     with pytest.raises(ValueError, match="w13_scale: this package's experts are none, which has no such tensor"):
         plain.fused_moe(x, logits, torch.randn(6, 160, 96), torch.randn(6, 96, 80), w13_scale=s13["scale"])
+
+
+def test_a_config_that_does_not_suit_the_format_is_refused(package_factory):
+    pkg = package_factory(buckets=(1,), dtype="float16", router_dtype="float32", **CPU_SHAPES["fp8"],
+                          **FORMATS["fp8_block"])
+    ks = pkg.KERNELS
+    s13, s2 = quantize_w13(torch.randn(5, 320, 200), ks.weight_format), quantize(torch.randn(5, 200, 160), ks.weight_format)
+    x, logits = torch.randn(1, 200, dtype=torch.float16), torch.randn(1, 5)
+    narrow = replace(ks.configs[0], decode_block_n=64, decode_block_k=128, decode_block_h=128)
+    with pytest.raises(ValueError, match="decode_block_n 64 must be 128"):
+        fused_moe(ks, x, logits, s13["weight"], s2["weight"], config=narrow, **scale_arguments(s13, s2))
 
 
 GPU_T = (1, 7, 64, 1000, 4096)

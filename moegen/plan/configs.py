@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.quant.formats import FP8_BLOCK
+from moegen.quant.formats import FP8_BLOCK, WeightFormat
 from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.align import RUN_WRAP
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, decode_grid, pow2_at_least, tma_rows_aligned
@@ -120,7 +120,7 @@ def malformed(c: KernelConfig) -> str | None:
 def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) -> str | None:
     """Why a config cannot run well on the target (None if it can): shared memory, registers,
     tiles wider than the dimension they cover, split-K finer than the K loop."""
-    problem = malformed(c) or format_violation(c, signature)
+    problem = malformed(c) or format_violation(c, signature.weight_format)
     if problem:
         return problem
     limit, b = target.smem_per_block_kib * 1024, signature.element_bytes
@@ -154,11 +154,10 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
     return None
 
 
-def format_violation(c: KernelConfig, signature: KernelSignature) -> str | None:
-    """Why a config cannot run the signature's weight format (None if it can): quantized weights
-    are read with plain loads; fp8_block's K steps are its 128-wide groups (and the decode kernel's
-    slices of I too, whose intermediate it quantizes per group)."""
-    fmt = signature.weight_format
+def format_violation(c: KernelConfig, fmt: WeightFormat) -> str | None:
+    """Why a config cannot run the weight format (None if it can): quantized weights are read
+    with plain loads; fp8_block's K steps are its 128-wide groups (and the decode kernel's slices
+    of I too, whose intermediate it quantizes per group)."""
     if fmt.quantized and (c.tma or c.l2_evict_first):
         return f"{fmt.quantization} weights are read with plain loads: tma and l2_evict_first off"
     if fmt.quantization == "fp8_channel" and c.decode_block_n:

@@ -350,6 +350,18 @@ def weight_scales(ks: KernelSet, w13_scale=None, w2_scale=None, w13_zero=None, w
     return WeightScales(_projection_scales(ks, w13_scale, w13_zero), _projection_scales(ks, w2_scale, w2_zero))
 
 
+def _check_config(ks: KernelSet, config: Optional[KernelConfig]) -> None:
+    """A caller's config must suit the weight format (the tuned and default ones do): fp8_block's
+    kernels, for one, quantize activations in groups as wide as their K steps."""
+    if config is None:
+        return
+    from moegen.plan.configs import format_violation  # the plan stage imports this module
+
+    problem = format_violation(config, ks.weight_format)
+    if problem:
+        raise ValueError(f"config does not suit this package's {ks.weight_format.quantization} experts: {problem}")
+
+
 def _check_inputs(ks: KernelSet, hidden_states, w13, w2, num_experts: Optional[int] = None,
                   names: tuple[str, str] = ("w13", "w2"), w13_scale=None, w2_scale=None, w13_zero=None,
                   w2_zero=None) -> None:
@@ -599,6 +611,7 @@ def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
     (and zero points) as the format stores them (moegen/quant/formats.py)."""
     _check_inputs(ks, hidden_states, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero,
                   w2_zero=w2_zero)
+    _check_config(ks, config)
     return _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, ks.num_experts, config,
                     weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero))
 
@@ -612,6 +625,7 @@ def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids,
     slots = w13_pool.shape[0]
     _check_inputs(ks, hidden_states, w13_pool, w2_pool, slots, names=("w13_pool", "w2_pool"), w13_scale=w13_scale,
                   w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
+    _check_config(ks, config)
     return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config,
                     weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero))
 
@@ -758,6 +772,7 @@ def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correctio
     scales (and zero points) as the format stores them (moegen/quant/formats.py)."""
     _check_inputs(ks, hidden_states, w13, w2, w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero,
                   w2_zero=w2_zero)
+    _check_config(ks, config)
     scales = weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero)
     num_tokens = hidden_states.shape[0]
     _check("router_logits", router_logits, (num_tokens, ks.num_experts), FLOATING, hidden_states.device)
