@@ -399,6 +399,16 @@ def test_kernel_template_edit_changes_template_hash(tmp_path, template, changes_
         assert (db.template_hash(TEMPLATES) != before) == changes_hash
 
 
+def test_a_template_a_weight_format_imports_is_part_of_its_hash(tmp_path):
+    fp8 = list(kernel_templates(dataclasses.replace(SIG, quantization="fp8_block")))
+    before = db.template_hash(TEMPLATES), db.template_hash(fp8)
+    shutil.copytree(knobs.template_dir(), tmp_path / "templates")
+    with (tmp_path / "templates" / "fp8_cast.jinja").open("a") as handle:
+        handle.write("\n{# edited #}\n")
+    with knobs.scope(MOEGEN_TEMPLATE_DIR=str(tmp_path / "templates")):
+        assert db.template_hash(TEMPLATES) == before[0] and db.template_hash(fp8) != before[1]
+
+
 def test_metadata_records_installed_versions():
     meta = current()
     assert meta.triton == db.installed_version("triton") and meta.torch == db.installed_version("torch")

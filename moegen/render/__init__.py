@@ -23,6 +23,8 @@ KERNEL_TEMPLATES = (ROUTE_ALIGN_TEMPLATE, GATE_UP_TEMPLATE, DOWN_TEMPLATE, DECOD
 # How each weight format loads a weight tile and its scales and turns them into MMA operands:
 # the macros the kernel templates import (templates/weights_none.jinja documents them).
 WEIGHT_FORMAT_TEMPLATES = {q: f"weights_{q}.jinja" for q in QUANTIZATIONS}
+# Templates a weight format's template imports: part of what its kernels are rendered from.
+FORMAT_IMPORTS = {"fp8_block": ("fp8_cast.jinja",), "fp8_channel": ("fp8_cast.jinja",)}
 
 def kernel_templates(signature) -> tuple[str, ...]:
     """The templates a signature's kernels are rendered from: the kernels' and its weight format's."""
@@ -32,7 +34,7 @@ def kernel_templates(signature) -> tuple[str, ...]:
 def format_templates(quantization: str) -> tuple[str, ...]:
     """The kernel templates and those of a weight format (unknown to this moegen: the kernels' alone)."""
     weights = WEIGHT_FORMAT_TEMPLATES.get(quantization)
-    return KERNEL_TEMPLATES + ((weights,) if weights else ())
+    return KERNEL_TEMPLATES + ((weights, *FORMAT_IMPORTS.get(quantization, ())) if weights else ())
 
 
 TL_DTYPES = {"bfloat16": "tl.bfloat16", "float16": "tl.float16", "float32": "tl.float32"}
