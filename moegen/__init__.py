@@ -16,3 +16,11 @@ def replace_moe_blocks(model, package) -> int:
     from moegen.runtime.hf import replace_moe_blocks as replace
 
     return replace(model, package)
+
+
+def load_plan(path):
+    """An expert-offload plan (moegen.plan.offload.OffloadPlan) from a plan.json file, a package
+    folder or an imported package, checked (moegen.errors.PlanError names what is wrong)."""
+    from moegen.plan.offload import load_plan as load
+
+    return load(path)

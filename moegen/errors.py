@@ -64,3 +64,13 @@ class OutputError(MoegenError):
 
 class PackageError(MoegenError):
     """A generated package this moegen cannot run: rebuild it."""
+
+
+class PlanError(MoegenError):
+    """An offload plan file moegen cannot use: FILE: field: what is wrong; how to fix it."""
+
+    exit_code = 2
+
+    def __init__(self, file, field: str, problem: str, fix: str):
+        self.file, self.field, self.problem, self.fix = str(file), field, problem, fix
+        super().__init__(f"{self.file}: {field + ': ' if field else ''}{problem}; {fix}")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from moegen.errors import SpecError
+from moegen.errors import PlanError, SpecError
 from moegen.ir import lower
-from moegen.plan.offload import plan_offload
+from moegen.plan.offload import load_plan, plan_offload
 from moegen.spec import load_spec
 
 from conftest import shared_trace
@@ -172,3 +172,73 @@ def test_plan_budget_argument_errors_name_the_argument(budget, needle, capsys):
 
     assert main(["plan", str(REPO / "specs" / "deepseek-v2-lite.yaml"), "--expert-memory-gib", budget]) == 2
     assert needle in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# plan.json round trip
+
+
+def _plans(tmp_path):
+    """All resident; uniform routing; pinned_lru from a profile with router prefetch."""
+    profile = [[100.0, 90.0, 80.0] + [1.0] * 5 for _ in range(32)]
+    return [plan_offload(_ir(tmp_path, "mixtral-8x7b")), plan_offload(_ir(tmp_path)),
+            plan_offload(_ir(tmp_path, "mixtral-8x7b", **{"expert_memory_gib: 100": "expert_memory_gib: 50",
+                                                          "policy: lru": "policy: pinned_lru",
+                                                          "prefetch: none": "prefetch: router"}), profile)]
+
+
+def test_plan_json_loads_back_into_the_same_plan(tmp_path):
+    for number, plan in enumerate(_plans(tmp_path)):
+        path = tmp_path / f"plan{number}.json"
+        path.write_text(json.dumps(plan.to_json(), indent=2, sort_keys=True))
+        assert load_plan(path) == plan
+    assert any(p.pinned != ((),) * p.num_layers for p in _plans(tmp_path))  # pinning round-trips too
+
+
+def test_a_built_package_plan_loads_from_its_folder(tmp_path):
+    from moegen.package import build
+
+    folder, _ = build(REPO / "specs" / "tiny.yaml", tmp_path)
+    plan = load_plan(folder)
+    assert plan == plan_offload(lower(load_spec(REPO / "specs" / "tiny.yaml"), "tiny.yaml"))
+
+
+PLAN_ERRORS = [  # (change to an offloaded DeepSeek-V3 plan, the field named, words of the message)
+    (lambda d: d.pop("policy"), "policy", "missing"),
+    (lambda d: d.update(colour="red"), "colour", "not a field"),
+    (lambda d: d.update(top_k="8"), "top_k", "is not a whole number"),
+    (lambda d: d.update(offloaded=1), "offloaded", "is not true or false"),
+    (lambda d: d.update(slots_per_layer=d["slots_per_layer"][:-1]), "slots_per_layer", "for 58 layers"),
+    (lambda d: d["slots_per_layer"].__setitem__(3, 7), "slots_per_layer[3]", "cannot hold one token's 8 experts"),
+    (lambda d: d["slots_per_layer"].__setitem__(0, 300), "slots_per_layer[0]", "300 slots for 256 experts"),
+    (lambda d: d["pinned"].__setitem__(2, [1, 1]), "pinned[2]", "not distinct expert ids"),
+    (lambda d: d["pinned"].__setitem__(2, [256]), "pinned[2]", "not distinct expert ids"),
+    (lambda d: d["pinned"].__setitem__(2, list(range(20))), "pinned[2]", "leave fewer than the 8 slots"),
+    (lambda d: d.update(policy="fifo"), "policy", "unknown policy 'fifo'"),
+    (lambda d: d.update(prefetch="psychic"), "prefetch", "unknown prefetch mode"),
+    (lambda d: d.update(budget_bytes=d["budget_bytes"] // 2), "slots_per_layer", "more than budget_bytes"),
+    (lambda d: d.update(offloaded=False), "offloaded", "false, but not every layer"),
+    (lambda d: d.update(expected_hit_rate=1.5), "expected_hit_rate", "not a rate"),
+]
+
+
+@pytest.mark.parametrize("change, field, words", PLAN_ERRORS, ids=[e[1] + "-" + e[2][:12] for e in PLAN_ERRORS])
+def test_a_broken_plan_names_its_file_and_field(tmp_path, change, field, words):
+    data = json.loads(json.dumps(plan_offload(_ir(tmp_path)).to_json()))  # as plan.json holds it
+    change(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError) as raised:
+        load_plan(path)
+    assert raised.value.file == str(path) and raised.value.field == field and words in str(raised.value)
+    assert raised.value.exit_code == 2
+
+
+@pytest.mark.parametrize("text, words", [("{", "is not JSON"), ("[1, 2]", "not a JSON object")])
+def test_a_plan_file_that_is_not_a_plan_says_so(tmp_path, text, words):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=words):
+        load_plan(path)
+    with pytest.raises(PlanError, match="cannot be read"):
+        load_plan(tmp_path / "missing.json")

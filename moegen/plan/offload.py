@@ -7,17 +7,19 @@ the spec (per-expert bytes, per-layer decode compute time on the target) so REPO
 from __future__ import annotations
 
 import heapq
+import json
 import math
 from pathlib import Path
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Optional, Sequence
 
 import sympy
 
-from moegen.errors import SpecError
+from moegen.errors import PlanError, SpecError
 from moegen.ir import ModelIR
 from moegen.plan.cost_model import B, E, H, I, K, W, expert_bytes, matrix_tflops
 from moegen.spec.loader import expert_memory_shortfall
+from moegen.spec.schema import OFFLOAD_POLICIES, PREFETCH_MODES
 from moegen.target import expert_memory_gib
 
 HBM, LINK, RATE = sympy.symbols("HBM_GBps LINK_GBps RATE_TFLOPs", positive=True)
@@ -51,6 +53,106 @@ class OffloadPlan:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data, source="plan.json") -> "OffloadPlan":
+        """The plan to_json wrote (a package's plan.json, `moegen plan --json`), checked: a field
+        missing, of another type or out of range, or slots that do not fit the budget raise
+        PlanError naming `source` and the field."""
+        if not isinstance(data, dict):
+            raise PlanError(source, "", f"not a JSON object (a {type(data).__name__})",
+                            "give the plan.json a build wrote, or `moegen plan SPEC --json`'s output")
+        names = [f.name for f in fields(cls)]
+        for name in data.keys() - set(names):
+            raise PlanError(source, name, "not a field of an offload plan", f"remove it; the fields: {', '.join(names)}")
+        for name in names:
+            if name not in data:
+                raise PlanError(source, name, "missing", "write the plan again with `moegen plan SPEC --json`")
+        for name, kind in _FIELD_KINDS.items():
+            _check_kind(source, name, data[name], kind)
+        plan = cls(**{name: tuple(tuple(row) for row in data[name]) if name == "pinned" else
+                      tuple(data[name]) if name == "slots_per_layer" else data[name] for name in names})
+        problem = plan_problem(plan)
+        if problem:
+            raise PlanError(source, *problem)
+        return plan
+
+
+# How each field is checked: a type (bool, int, float, str), "slots" or "pinned".
+_FIELD_KINDS = {"offloaded": bool, "num_layers": int, "num_experts": int, "top_k": int, "expert_bytes": int,
+                "budget_bytes": int, "slots_per_layer": "slots", "pinned": "pinned", "policy": str, "prefetch": str,
+                "lookahead": int, "layer_compute_us": float, "transfer_us": float, "expected_hit_rate": float,
+                "bytes_per_token": float, "stall_ms_per_token": float, "estimate_from": str}
+
+
+def _check_kind(source, name: str, value, kind) -> None:
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    ok = {bool: lambda v: isinstance(v, bool), int: lambda v: is_int(v) and v >= 0,
+          float: lambda v: (is_int(v) or isinstance(v, float)) and v >= 0, str: lambda v: isinstance(v, str),
+          "slots": lambda v: isinstance(v, list) and all(is_int(s) for s in v),
+          "pinned": lambda v: isinstance(v, list) and all(isinstance(row, list) and all(is_int(e) for e in row)
+                                                            for row in v)}[kind]
+    wanted = {bool: "true or false", int: "a whole number >= 0", float: "a number >= 0", str: "a string",
+              "slots": "a list of whole numbers, one per layer",
+              "pinned": "a list (one per layer) of lists of expert ids"}[kind]
+    if not ok(value):
+        raise PlanError(source, name, f"{json.dumps(value)[:80]} is not {wanted}",
+                        "write the plan again with `moegen plan SPEC --json`")
+
+
+def plan_problem(plan: OffloadPlan) -> Optional[tuple[str, str, str]]:
+    """(field, problem, fix) of the first thing that keeps the runtime from taking the plan."""
+    layers, experts, k = plan.num_layers, plan.num_experts, plan.top_k
+    if layers < 1 or experts < 1 or not 1 <= k <= experts:
+        return "top_k", f"top-{k} of {experts} experts in {layers} layers", "plan a spec with 1 <= top_k <= num_experts"
+    if plan.policy not in OFFLOAD_POLICIES:
+        return "policy", f"unknown policy {plan.policy!r}", f"use one of {', '.join(OFFLOAD_POLICIES)}"
+    if plan.prefetch not in PREFETCH_MODES:
+        return "prefetch", f"unknown prefetch mode {plan.prefetch!r}", f"use one of {', '.join(PREFETCH_MODES)}"
+    if not 0 <= plan.expected_hit_rate <= 1:
+        return "expected_hit_rate", f"{plan.expected_hit_rate} is not a rate in [0, 1]", "write a rate in [0, 1]"
+    if len(plan.slots_per_layer) != layers or len(plan.pinned) != layers:
+        return ("slots_per_layer" if len(plan.slots_per_layer) != layers else "pinned",
+                f"{len(plan.slots_per_layer)} slot counts and {len(plan.pinned)} pinned lists for {layers} layers",
+                "give one entry per layer")
+    for layer, (slots, pinned) in enumerate(zip(plan.slots_per_layer, plan.pinned)):
+        if not k <= slots <= experts:
+            return (f"slots_per_layer[{layer}]", f"{slots} slots cannot hold one token's {k} experts" if slots < k
+                    else f"{slots} slots for {experts} experts", f"give each layer {k} to {experts} slots")
+        if len(set(pinned)) != len(pinned) or any(not 0 <= e < experts for e in pinned):
+            return (f"pinned[{layer}]", f"{list(pinned)} are not distinct expert ids in [0, {experts})",
+                    "list each pinned expert once")
+        if slots < experts and len(pinned) > slots - k:
+            return (f"pinned[{layer}]", f"{len(pinned)} pinned experts leave fewer than the {k} slots a token needs "
+                    f"of the layer's {slots}", f"pin at most {slots - k}")
+    resident = sum(plan.slots_per_layer) * plan.expert_bytes
+    if resident > plan.budget_bytes:
+        return ("slots_per_layer", f"{sum(plan.slots_per_layer)} slots of {plan.expert_bytes} bytes take "
+                f"{resident / 2**30:.3f} GiB, more than budget_bytes ({plan.budget_bytes / 2**30:.3f} GiB)",
+                "give fewer slots or a larger budget (`moegen plan SPEC --expert-memory-gib G --json`)")
+    every_resident = all(s == experts for s in plan.slots_per_layer)
+    if plan.offloaded == every_resident:
+        return ("offloaded", f"{str(plan.offloaded).lower()}, but {'every' if every_resident else 'not every'} layer "
+                f"holds all {experts} experts", "offloaded is true exactly when some layer has fewer slots than experts")
+    return None
+
+
+def load_plan(path) -> OffloadPlan:
+    """An offload plan from a JSON file (a package's plan.json, `moegen plan SPEC --json`'s output),
+    or a package's (its folder, or the imported package)."""
+    path = Path(path.__file__).parent if hasattr(path, "__file__") else Path(path)
+    if path.is_dir():
+        path = path / "plan.json"
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise PlanError(path, "", f"cannot be read ({error.strerror})",
+                        "give a plan.json (a package's, or `moegen plan SPEC --json > plan.json`)") from None
+    except ValueError as error:
+        raise PlanError(path, "", f"is not JSON ({error})", "write it again with `moegen plan SPEC --json`") from None
+    return OffloadPlan.from_json(data, path)
 
 
 def _sizes(ir: ModelIR) -> dict:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from moegen.offload.engine import routing_predictor
+from moegen.offload.engine import engine_for_plan, routing_predictor
 from moegen.offload.policies import OffloadPolicyEngine
 from moegen.offload.predictors import Predictor
 from moegen.plan.offload import OffloadPlan
@@ -119,6 +119,14 @@ class OffloadedMoE:
         ]
         self.graphs = StepGraphs(self.device)
         self._first_step = True
+
+    @classmethod
+    def from_plan(cls, kernels: fused.KernelSet, plan: OffloadPlan, host: HostExperts, *,
+                  routers: Optional[Sequence[torch.Tensor]] = None, device="cuda") -> "OffloadedMoE":
+        """The runtime the plan configures: its policy and pinned experts, prefetching as its
+        `prefetch` mode says (`router` takes the offloaded layers' router weights, [E, H] each)."""
+        return cls(kernels, plan, host, engine_for_plan(plan, predictor=runtime_predictor(plan.prefetch, plan, routers)),
+                   device)
 
     @property
     def stats(self):
