@@ -501,3 +501,19 @@ def test_quantized_experts_tune_with_the_same_tuner(quantization, key, tmp_path,
         assert cli.main(["build", str(spec), "-o", str(tmp_path / "out")]) == 0
     manifest = json.loads((tmp_path / "out" / "tiny" / "manifest.json").read_text())
     assert {b["source"] for b in manifest["buckets"]} == {f"tuned:{report.saved_to.name}"}
+
+
+SPEC_FILES = sorted(Path(__file__).resolve().parent.parent.glob("specs/**/*.yaml"))
+
+
+@pytest.mark.parametrize("spec_file", SPEC_FILES, ids=lambda p: p.stem)
+def test_default_configs_keep_their_accumulators_in_registers(spec_file):
+    """Every bucket's default config of every spec: fp8's per-step product tiles counted (an fp8
+    default whose tiles spilled ran Qwen3-30B-A3B's T=4096 at 7959 us on the H100)."""
+    from moegen.ir import lower
+    from moegen.plan.configs import accumulator_violation, default_config
+    from moegen.spec import load_spec
+
+    ir = lower(load_spec(spec_file), spec_file)
+    for tokens in ir.spec.workload.token_buckets:
+        assert accumulator_violation(default_config(ir.signature, ir.target, tokens), ir.signature) is None, tokens

@@ -117,6 +117,23 @@ def malformed(c: KernelConfig) -> str | None:
     return None
 
 
+def accumulator_violation(c: KernelConfig, signature: KernelSignature) -> str | None:
+    """Why the GEMMs' fp32 tiles would not fit the registers (None if they do)."""
+    # fp8 products are scaled before they are added: each K step's product is a tile of its own.
+    product = 1 if signature.weight_format.fp8 else 0
+    if (2 + product) * c.block_m * c.block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.num_warps \
+            or (2 + product) * (c.block_m + c.tail_m) * c.block_n > MAX_ACCUMULATORS_WITH_TAIL * 32 * c.num_warps:
+        return "GEMM1 accumulators exceed the register file"
+    if (1 + product) * c.block_m * c.down_block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.down_num_warps \
+            or (1 + product) * (c.block_m + c.tail_m) * c.down_block_n \
+            > MAX_ACCUMULATORS_WITH_TAIL * 32 * c.down_num_warps:
+        return "GEMM2 accumulators exceed the register file"
+    if c.down_max_registers and (1 + product) * (c.block_m + c.tail_m) * c.down_block_n \
+            > (c.down_max_registers - CAPPED_OTHER_REGISTERS) * 32 * c.down_num_warps:
+        return f"GEMM2 accumulators leave too few of its {c.down_max_registers} registers"
+    return None
+
+
 def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) -> str | None:
     """Why a config cannot run well on the target (None if it can): shared memory, registers,
     tiles wider than the dimension they cover, split-K finer than the K loop."""
@@ -128,15 +145,9 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return f"GEMM1 shared memory {gate_up_smem_bytes(c, b)} > {limit}"
     if down_smem_bytes(c, b) > limit:
         return f"GEMM2 shared memory {down_smem_bytes(c, b)} > {limit}"
-    if 2 * c.block_m * c.block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.num_warps \
-            or 2 * (c.block_m + c.tail_m) * c.block_n > MAX_ACCUMULATORS_WITH_TAIL * 32 * c.num_warps:
-        return "GEMM1 accumulators exceed the register file"
-    if c.block_m * c.down_block_n > MAX_ACCUMULATORS_PER_THREAD * 32 * c.down_num_warps \
-            or (c.block_m + c.tail_m) * c.down_block_n > MAX_ACCUMULATORS_WITH_TAIL * 32 * c.down_num_warps:
-        return "GEMM2 accumulators exceed the register file"
-    if c.down_max_registers and (c.block_m + c.tail_m) * c.down_block_n \
-            > (c.down_max_registers - CAPPED_OTHER_REGISTERS) * 32 * c.down_num_warps:
-        return f"GEMM2 accumulators leave too few of its {c.down_max_registers} registers"
+    problem = accumulator_violation(c, signature)
+    if problem:
+        return problem
     h, i = pow2_at_least(signature.hidden_size), pow2_at_least(signature.intermediate_size)
     if signature.quantization == "fp8_block":  # its K steps are whole groups, however narrow the dimension
         h, i = max(h, FP8_BLOCK), max(i, FP8_BLOCK)
@@ -269,6 +280,11 @@ def default_config(signature: KernelSignature, target: GpuTarget, tokens: int, t
     elif target.arch >= 90 and cost.compute_us < TWO_STREAMS_MAX_COMPUTE_US:
         config = replace(config, streams=2)
     config = fit_format(clamp_tiles(config, signature), signature)
+    # Narrower N tiles where the accumulators would spill (fp8's per-step product tiles).
+    while (spill := accumulator_violation(config, signature)) and min(config.block_n, config.down_block_n) > 16:
+        gemm1 = spill.startswith("GEMM1")
+        config = replace(config, block_n=config.block_n // 2 if gemm1 else config.block_n,
+                         down_block_n=config.down_block_n if gemm1 else config.down_block_n // 2)
     # Shrink pipelining until the stages fit shared memory (fp32 tiles are twice as large).
     while violation(config, signature, target) and min(config.num_stages, config.down_num_stages,
                                                         config.decode_num_stages) > 1:
