@@ -24,3 +24,11 @@ def load_plan(path):
     from moegen.plan.offload import load_plan as load
 
     return load(path)
+
+
+def record_trace(model, package):
+    """Record which experts a transformers model's MoE layers pick per token, as a moegen-trace
+    file for `moegen plan --trace` and `moegen simulate` (moegen.offload.record)."""
+    from moegen.offload.record import record_trace as record
+
+    return record(model, package)

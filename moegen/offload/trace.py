@@ -199,3 +199,28 @@ def _short(value) -> str:
     """A value as messages quote it: at most 40 characters."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def save_trace(path, experts, seq, *, model: str, num_experts: int, source: str = "", note: str = "",
+               weights=None) -> Path:
+    """Write a moegen-trace v1 file (gzip'd JSON Lines, as load_trace reads it): experts
+    [tokens, layers, top_k] ids, seq [tokens] the sequence of each token (a sequence's tokens
+    consecutive), weights optionally [tokens, layers, top_k]. Written to a temporary file first,
+    so that an interrupted write leaves no partial trace at `path`."""
+    path = Path(path)
+    experts = np.asarray(experts)
+    if experts.ndim != 3 or len(seq) != experts.shape[0] or experts.shape[0] == 0:
+        raise ValueError(f"experts must be [tokens >= 1, layers, top_k] with one seq per token, got "
+                         f"{list(experts.shape)} and {len(seq)} seq")
+    header = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": model, "num_layers": experts.shape[1],
+              "num_experts": num_experts, "top_k": experts.shape[2], "source": source, "note": note}
+    partial = path.with_name(path.name + ".partial")
+    with gzip.open(partial, "wt", encoding="utf-8") as handle:
+        handle.write(json.dumps(header) + "\n")
+        for token, ids in enumerate(experts.tolist()):
+            line = {"seq": int(seq[token]), "experts": ids}
+            if weights is not None:
+                line["weights"] = [[round(float(w), 6) for w in layer] for layer in weights[token]]
+            handle.write(json.dumps(line) + "\n")
+    os.replace(partial, path)
+    return path
