@@ -163,7 +163,7 @@ def test_a_trace_changes_the_plan_under_a_budget_that_offloads(capsys):
 
 @pytest.mark.parametrize("budget, needle", [
     ("0.5", "--expert-memory-gib 0.5: 0.5 GiB holds 31 experts of 16.5 MiB, but 26 layers x top-6 need 156; raise "
-            "--expert-memory-gib to at least 3"),
+            "--expert-memory-gib to at least 2.52"),
     ("0", "--expert-memory-gib 0: use a budget in GiB above 0 and at most the h200's 139.8"),
     ("500", "--expert-memory-gib 500: use a budget"),
 ])

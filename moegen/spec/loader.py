@@ -631,17 +631,25 @@ def _expert_memory_fits(spec: Spec):
                 f"use at most {gpu.memory_gib:g} (or null for 90%: {0.9 * gpu.memory_gib:.1f})")
 
 
+def _gib_at_least(nbytes: int) -> float:
+    """nbytes in GiB, rounded up at the third significant digit (a whole GiB would tell a small
+    model's user nothing)."""
+    gib = nbytes / 2**30
+    step = 10.0 ** (math.floor(math.log10(gib)) - 2)
+    return math.ceil(gib / step - 1e-9) * step
+
+
 def expert_memory_shortfall(spec: Spec):
     """Offloading needs a slot for each of a token's top_k experts in every layer."""
     m, budget = spec.model, gpus.expert_memory_gib(spec)
     slots, need = int(budget * 2**30) // m.expert_bytes, m.num_layers * m.top_k
     if slots < need:
-        need_gib, gpu = math.ceil(need * m.expert_bytes / 2**30), gpus.lookup_gpu(spec.target.gpu)
-        fix = f"raise target.expert_memory_gib to at least {need_gib}"
+        need_gib, gpu = _gib_at_least(need * m.expert_bytes), gpus.lookup_gpu(spec.target.gpu)
+        fix = f"raise target.expert_memory_gib to at least {need_gib:.3g}"
         if gpu is not None and need_gib > gpu.memory_gib:
             fix = f"that is more than the {gpu.alias}'s {gpu.memory_gib:g} GiB: target a GPU with more memory"
         return ("target.expert_memory_gib",
-                f"{budget:g} GiB holds {slots} experts of {m.expert_bytes / 2**20:.1f} MiB, but "
+                f"{budget:g} GiB holds {slots} experts of {m.expert_bytes / 2**20:.3g} MiB, but "
                 f"{m.num_layers} layers x top-{m.top_k} need {need}", fix)
 
 
