@@ -69,37 +69,37 @@ class OffloadPlan:
             if name not in data:
                 raise PlanError(source, name, "missing", "write the plan again with `moegen plan SPEC --json`")
         for name, kind in _FIELD_KINDS.items():
-            _check_kind(source, name, data[name], kind)
-        plan = cls(**{name: tuple(tuple(row) for row in data[name]) if name == "pinned" else
-                      tuple(data[name]) if name == "slots_per_layer" else data[name] for name in names})
+            check, wanted = _KINDS[kind]
+            if not check(data[name]):
+                raise PlanError(source, name, f"{json.dumps(data[name])[:80]} is not {wanted}",
+                                "write the plan again with `moegen plan SPEC --json`")
+        plan = cls(**dict(data, slots_per_layer=tuple(data["slots_per_layer"]),
+                          pinned=tuple(map(tuple, data["pinned"]))))
         problem = plan_problem(plan)
         if problem:
             raise PlanError(source, *problem)
         return plan
 
 
-# How each field is checked: a type (bool, int, float, str), "slots" or "pinned".
-_FIELD_KINDS = {"offloaded": bool, "num_layers": int, "num_experts": int, "top_k": int, "expert_bytes": int,
-                "budget_bytes": int, "slots_per_layer": "slots", "pinned": "pinned", "policy": str, "prefetch": str,
-                "lookahead": int, "layer_compute_us": float, "transfer_us": float, "expected_hit_rate": float,
-                "bytes_per_token": float, "stall_ms_per_token": float, "estimate_from": str}
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_kind(source, name: str, value, kind) -> None:
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    ok = {bool: lambda v: isinstance(v, bool), int: lambda v: is_int(v) and v >= 0,
-          float: lambda v: (is_int(v) or isinstance(v, float)) and v >= 0, str: lambda v: isinstance(v, str),
-          "slots": lambda v: isinstance(v, list) and all(is_int(s) for s in v),
-          "pinned": lambda v: isinstance(v, list) and all(isinstance(row, list) and all(is_int(e) for e in row)
-                                                            for row in v)}[kind]
-    wanted = {bool: "true or false", int: "a whole number >= 0", float: "a number >= 0", str: "a string",
-              "slots": "a list of whole numbers, one per layer",
-              "pinned": "a list (one per layer) of lists of expert ids"}[kind]
-    if not ok(value):
-        raise PlanError(source, name, f"{json.dumps(value)[:80]} is not {wanted}",
-                        "write the plan again with `moegen plan SPEC --json`")
+# Each field's kind, and per kind how a JSON value is checked and what it must be.
+_FIELD_KINDS = {"offloaded": "bool", "num_layers": "int", "num_experts": "int", "top_k": "int",
+                "expert_bytes": "int", "budget_bytes": "int", "slots_per_layer": "slots", "pinned": "pinned",
+                "policy": "str", "prefetch": "str", "lookahead": "int", "layer_compute_us": "number",
+                "transfer_us": "number", "expected_hit_rate": "number", "bytes_per_token": "number",
+                "stall_ms_per_token": "number", "estimate_from": "str"}
+_KINDS = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "number": (lambda v: (_whole(v) or isinstance(v, float)) and v >= 0, "a number >= 0"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "slots": (lambda v: isinstance(v, list) and all(map(_whole, v)), "a list of whole numbers, one per layer"),
+    "pinned": (lambda v: isinstance(v, list) and all(isinstance(row, list) and all(map(_whole, row)) for row in v),
+               "a list (one per layer) of lists of expert ids"),
+}
 
 
 def plan_problem(plan: OffloadPlan) -> Optional[tuple[str, str, str]]:
