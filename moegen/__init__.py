@@ -32,3 +32,19 @@ def record_trace(model, package):
     from moegen.offload.record import record_trace as record
 
     return record(model, package)
+
+
+def load_offloaded(folder, package, **options):
+    """A Hugging Face model folder as a causal LM whose routed experts live in pinned host memory
+    under the package's offload plan (moegen.runtime.offload_model.load_offloaded)."""
+    from moegen.runtime.offload_model import load_offloaded as load
+
+    return load(folder, package, **options)
+
+
+def offload_model(model, package, **options):
+    """A transformers model built in host memory, its routed experts moved to pinned host memory
+    under the package's offload plan and the rest to the GPU (moegen.runtime.offload_model)."""
+    from moegen.runtime.offload_model import offload_model as offload
+
+    return offload(model, package, **options)

@@ -1,4 +1,5 @@
-"""The guides in docs/guides/ run as written: one test per guide, its fenced blocks in order.
+"""The guides in docs/guides/ and docs/offload.md run as written: one test per guide, its fenced
+blocks in order.
 
 Convention (each guide says so in its first lines):
 - ```bash and ```python blocks run;
@@ -30,7 +31,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-GUIDES = sorted((REPO / "docs" / "guides").glob("*.md"))
+GUIDES = sorted((REPO / "docs" / "guides").glob("*.md")) + [REPO / "docs" / "offload.md"]
 SHARED = REPO.parent / "shared"
 HAS_GPU = torch.cuda.is_available()
 FENCE = re.compile(r"^```(.*)$")

@@ -5,7 +5,7 @@
     recorder.save("my-model.jsonl.gz")
 
 The recorder hooks every MoE block of a transformers 5 model, its own blocks or moegen's layers in
-their place (`replace_moe_blocks`), and takes each token's picks from the block's router weights
+their place (`replace_moe_blocks`, `load_offloaded`), and takes each token's picks from the block's router weights
 with the package's routing (moegen.runtime.routing): what moegen's kernels pick for it. Each row of
 a batch is a sequence. A forward with more than one token per row (a prompt) starts new
 sequences; a forward of one token per row (a decoding step) continues them. Rows should be
@@ -24,12 +24,14 @@ from moegen.runtime.routing import route
 
 
 def _moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's MoE blocks in order: transformers' own, or moegen's layers in their place."""
+    """The model's MoE blocks in order: transformers' own, or moegen's layers (resident or
+    offloaded) in their place."""
     from moegen.runtime.hf import BLOCK_CLASSES
     from moegen.runtime.layer import MoELayerBase
+    from moegen.runtime.offload_model import OffloadedMoELayer
 
     return [module for module in model.modules()
-            if type(module).__name__ in BLOCK_CLASSES or isinstance(module, MoELayerBase)]
+            if type(module).__name__ in BLOCK_CLASSES or isinstance(module, (MoELayerBase, OffloadedMoELayer))]
 
 
 class RoutingRecorder:

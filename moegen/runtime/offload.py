@@ -122,10 +122,13 @@ class OffloadedMoE:
 
     @classmethod
     def from_plan(cls, kernels: fused.KernelSet, plan: OffloadPlan, host: HostExperts, *,
-                  routers: Optional[Sequence[torch.Tensor]] = None, device="cuda") -> "OffloadedMoE":
+                  routers: Optional[Sequence[torch.Tensor]] = None, device="cuda",
+                  cap_bytes_at_lru: bool = True) -> "OffloadedMoE":
         """The runtime the plan configures: its policy and pinned experts, prefetching as its
-        `prefetch` mode says (`router` takes the offloaded layers' router weights, [E, H] each)."""
-        return cls(kernels, plan, host, engine_for_plan(plan, predictor=runtime_predictor(plan.prefetch, plan, routers)),
+        `prefetch` mode says (`router` takes the offloaded layers' router weights, [E, H] each);
+        cap_bytes_at_lru as engine_for_plan takes it."""
+        predictor = runtime_predictor(plan.prefetch, plan, routers)
+        return cls(kernels, plan, host, engine_for_plan(plan, predictor=predictor, cap_bytes_at_lru=cap_bytes_at_lru),
                    device)
 
     @property

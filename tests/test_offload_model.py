@@ -1,0 +1,120 @@
+"""moegen.load_offloaded: a Hugging Face checkpoint folder as a causal LM whose experts live in host
+memory under an expert budget. Its logits are transformers' own and its greedy continuations the
+same, for every family moegen reads (float32, tiny shapes; the kernels in the interpreter on the
+CPU)."""
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+
+import moegen
+from moegen import reference as ref
+from moegen.errors import SpecError
+from moegen.runtime.hf import moe_block_slots
+from moegen.spec.from_hf import model_fields
+from test_hf_parity import MODELS, _randomized, _tiny_model, needs_transformers_5
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = 1e-4  # float32
+
+
+def _checkpoint(family: str, tmp_path, package_factory, **package_fields):
+    """(transformers' model, its checkpoint folder in shards of 100 KB, the package, MoE layers)."""
+    _, model_class, config_class, config_fields = next(m for m in MODELS if m[0] == family)
+    model, config = _tiny_model(model_class, config_class, config_fields)
+    model = _randomized(model, torch.Generator().manual_seed(zlib.crc32(family.encode())))
+    model.save_pretrained(tmp_path / family, max_shard_size="100KB")
+    pkg = package_factory(**(model_fields(config.to_dict()) | {"dtype": "float32", "num_layers": 1} | package_fields))
+    return model.to(DEVICE), tmp_path / family, pkg, len(moe_block_slots(model))
+
+
+def _budget_gib(pkg, layers: int, slots: int) -> float:
+    return layers * slots * pkg.SPEC.model.expert_bytes / 2**30
+
+
+@needs_transformers_5
+@pytest.mark.parametrize("family,prefetch", [(m[0], "none") for m in MODELS] + [("mixtral", "router"),
+                                                                                  ("deepseek_v3", "router")])
+def test_an_offloaded_checkpoint_generates_as_transformers_does(family, prefetch, tmp_path, package_factory):
+    model, folder, pkg, layers = _checkpoint(family, tmp_path, package_factory)
+    top_k = pkg.SPEC.model.top_k
+    offloaded = moegen.load_offloaded(folder, pkg, expert_memory_gib=_budget_gib(pkg, layers, top_k + 1),
+                                      prefetch=prefetch, device=DEVICE)
+    runtime = offloaded.moegen_offload
+    assert runtime.plan.offloaded and runtime.plan.slots_per_layer == (top_k + 1,) * layers
+    # No routed expert is a parameter of the model: they are the host store's, and the GPU's
+    # share of them is the pools' slots.
+    assert not [name for name, _ in offloaded.named_parameters() if ".experts." in name]
+    assert runtime.pool_bytes == sum(runtime.plan.slots_per_layer) * runtime.plan.expert_bytes
+
+    prompt = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        expected, logits = model(prompt).logits, offloaded(prompt).logits
+        tokens = offloaded.generate(prompt, max_new_tokens=4, do_sample=False)
+        expected_tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert ref.relative_error(logits.double(), expected.double()) <= TOLERANCE
+    assert torch.equal(tokens, expected_tokens)
+    stats = runtime.stats
+    assert stats.demand_loads > 0 and stats.hits > 0
+    assert (stats.prefetch_loads > 0) == (prefetch == "router")
+
+
+@needs_transformers_5
+def test_a_quantized_package_quantizes_the_experts_as_they_load(tmp_path, package_factory):
+    model, folder, pkg, layers = _checkpoint("qwen3_moe", tmp_path, package_factory, quantization="int4_group",
+                                             quantization_group_size=32)
+    offloaded = moegen.load_offloaded(folder, pkg, expert_memory_gib=_budget_gib(pkg, layers, 6), device=DEVICE)
+    assert sorted(offloaded.moegen_offload.host.parts) == ["w13", "w13_scale", "w2", "w2_scale"]
+    assert moegen.replace_moe_blocks(model, pkg) == layers  # all resident, quantized as they load: the same bytes
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        error = ref.relative_error(offloaded(prompt).logits.double(), model(prompt).logits.double())
+    assert error <= TOLERANCE
+
+
+@needs_transformers_5
+def test_what_load_offloaded_refuses(tmp_path, package_factory):
+    model, folder, pkg, layers = _checkpoint("mixtral", tmp_path, package_factory)
+    with pytest.raises(SpecError, match="need"):  # a budget below one token's experts in every layer
+        moegen.load_offloaded(folder, pkg, expert_memory_gib=_budget_gib(pkg, layers, 1), device=DEVICE)
+    other = package_factory(**(model_fields(model.config.to_dict()) | {"dtype": "float32", "num_layers": 1,
+                                                                       "top_k": 3}))
+    with pytest.raises(ValueError, match="built for another model: top_k 3"):
+        moegen.load_offloaded(folder, other, device=DEVICE)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ValueError, match="a quantized checkpoint"):
+        moegen.load_offloaded(folder, pkg, device=DEVICE)
+    (folder / "config.json").write_text(json.dumps(config))
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(shard)
+    dropped = next(name for name in tensors if "self_attn" in name)
+    save_file({k: v for k, v in tensors.items() if k != dropped}, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="the checkpoint lacks 1 of the model's tensors"):
+        moegen.load_offloaded(folder, pkg, device=DEVICE)
+
+
+@needs_transformers_5
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_a_model_built_in_host_memory_offloads_in_place(family, tmp_path, package_factory):
+    model, _, pkg, layers = _checkpoint(family, tmp_path, package_factory)
+    model = model.cpu()
+    prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected, expected_tokens = model(prompt).logits, model.generate(prompt, max_new_tokens=3, do_sample=False)
+    top_k = pkg.SPEC.model.top_k
+    offloaded = moegen.offload_model(model, pkg, expert_memory_gib=_budget_gib(pkg, layers, top_k), device=DEVICE)
+    assert offloaded is model and not [name for name, _ in model.named_parameters() if ".experts." in name]
+    prompt = prompt.to(DEVICE)
+    with torch.no_grad():
+        assert ref.relative_error(model(prompt).logits.double().cpu(), expected.double()) <= TOLERANCE
+        assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False).cpu(), expected_tokens)
+    with torch.device("meta"):
+        empty = type(model)(model.config)
+    with pytest.raises(ValueError, match="meta device"):
+        moegen.offload_model(empty, pkg, expert_memory_gib=_budget_gib(pkg, layers, top_k), device=DEVICE)
