@@ -22,6 +22,15 @@ def _spec_differences(model: torch.nn.Module, spec) -> list[str]:
             if name not in ignored and getattr(spec, name) != value]
 
 
+def require_package_for(model: torch.nn.Module, package, config_source: str = "the model's config.json") -> None:
+    """ValueError unless the package was built for the model's config (layer count, dtype and
+    weight format aside, as _spec_differences says)."""
+    differences = _spec_differences(model, package.SPEC.model)
+    if differences:
+        raise ValueError(f"package {package.SPEC.name} was built for another model: {'; '.join(differences)}; "
+                         f"build a spec from {config_source} (moegen spec)")
+
+
 def replace_moe_blocks(model: torch.nn.Module, package) -> int:
     """Swap every MoE block of `model` for `package.MoELayer` holding the block's weights, on
     the block's device; returns how many were swapped. The package must be built for the
@@ -35,10 +44,7 @@ def replace_moe_blocks(model: torch.nn.Module, package) -> int:
                            "with load_hf_state_dict")
     if not isinstance(getattr(model, "config", None), transformers.PretrainedConfig):
         raise TypeError(f"expected a transformers model, got {type(model).__name__}")
-    differences = _spec_differences(model, package.SPEC.model)
-    if differences:
-        raise ValueError(f"package {package.SPEC.name} was built for another model: {'; '.join(differences)}; "
-                         "build a spec from the model's config.json (moegen spec)")
+    require_package_for(model, package)
     slots = moe_block_slots(model)
     if not slots:
         raise ValueError(f"{type(model).__name__} has no MoE block moegen knows ({', '.join(BLOCK_CLASSES)})")

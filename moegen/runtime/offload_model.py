@@ -93,7 +93,7 @@ def load_offloaded(folder, package, *, expert_memory_gib: Optional[float] = None
     LRU's demand loads would (the link idles otherwise) unless cap_prefetch_at_lru."""
     import transformers
 
-    from moegen.runtime.hf import _spec_differences, moe_block_slots
+    from moegen.runtime.hf import moe_block_slots, require_package_for
     from moegen.spec.from_hf import moe_layer_ids, read_config
 
     folder = Path(folder)
@@ -106,10 +106,7 @@ def load_offloaded(folder, package, *, expert_memory_gib: Optional[float] = None
     dtype = package.KERNELS.dtype
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    differences = _spec_differences(model, package.SPEC.model)
-    if differences:
-        raise ValueError(f"package {package.SPEC.name} was built for another model: {'; '.join(differences)}; "
-                         f"build a spec from {source} (moegen spec)")
+    require_package_for(model, package, source)
     layer_ids = moe_layer_ids(values, source)
     slots = moe_block_slots(model)
     if len(slots) != len(layer_ids):
@@ -137,15 +134,12 @@ def offload_model(model: torch.nn.Module, package, *, expert_memory_gib: Optiona
     """A transformers 5 model already built in host memory, offloaded as load_offloaded offloads a
     checkpoint: each MoE block's experts into pinned host memory (block by block, each block
     freed as its layer takes its place), the rest of the model to `device`. Returns the model."""
-    from moegen.runtime.hf import _spec_differences, moe_block_slots
+    from moegen.runtime.hf import BLOCK_CLASSES, moe_block_slots, require_package_for
 
-    differences = _spec_differences(model, package.SPEC.model)
-    if differences:
-        raise ValueError(f"package {package.SPEC.name} was built for another model: {'; '.join(differences)}; "
-                         "build a spec from the model's config.json (moegen spec)")
+    require_package_for(model, package)
     slots = moe_block_slots(model)
     if not slots:
-        raise ValueError(f"{type(model).__name__} has no MoE block moegen knows")
+        raise ValueError(f"{type(model).__name__} has no MoE block moegen knows ({', '.join(BLOCK_CLASSES)})")
     plan = offload_plan_for(package, len(slots), expert_memory_gib, policy, prefetch)
     device = torch.device(device)
     layers, w13s, w2s = [], [], []
