@@ -20,6 +20,13 @@ def _activation(name: str):
     return F.silu if name == "silu" else F.gelu
 
 
+def shared_experts_output(x: torch.Tensor, shared_w13: torch.Tensor, shared_w2: torch.Tensor,
+                          activation: str) -> torch.Tensor:
+    """The shared experts, every token through all of them: [T, H]."""
+    gate, up = F.linear(x, shared_w13).chunk(2, dim=-1)
+    return F.linear(_activation(activation)(gate) * up, shared_w2)
+
+
 class Router(torch.nn.Linear):
     """The router matmul in the spec's router_dtype (DeepSeek's runs in float32 beside bf16
     experts), also after a whole-model .to(dtype) has converted its weight."""
@@ -104,9 +111,7 @@ class MoELayerBase(torch.nn.Module):
                 if hasattr(self, name)}
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.shared_w13)
-        gate, up = h.chunk(2, dim=-1)
-        return F.linear(_activation(self.spec.model.activation)(gate) * up, self.shared_w2)
+        return shared_experts_output(x, self.shared_w13, self.shared_w2, self.spec.model.activation)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         fused._check_tensor("hidden_states", hidden_states)

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from moegen.ir import lower
 from moegen.plan.offload import OffloadPlan, plan_offload
 from moegen.runtime.host_experts import HostExperts
-from moegen.runtime.layer import Router, _activation
+from moegen.runtime.layer import Router, shared_experts_output
 from moegen.runtime.offload import OffloadedMoE
 from moegen.runtime.routing import route
 
@@ -67,8 +66,7 @@ class OffloadedMoELayer(torch.nn.Module):
         weights, ids = route(self.gate(x), self.kernels.routing, self.correction_bias)
         out = self.runtime.forward(self.layer, x, weights, ids)
         if self.shared_w13 is not None:
-            gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)
-            out = out + F.linear(_activation(self.spec.model.activation)(gate) * up, self.shared_w2)
+            out = out + shared_experts_output(x, self.shared_w13, self.shared_w2, self.spec.model.activation)
         return out.view(shape)
 
 
