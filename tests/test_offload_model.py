@@ -118,3 +118,18 @@ def test_a_model_built_in_host_memory_offloads_in_place(family, tmp_path, packag
         empty = type(model)(model.config)
     with pytest.raises(ValueError, match="meta device"):
         moegen.offload_model(empty, pkg, expert_memory_gib=_budget_gib(pkg, layers, top_k), device=DEVICE)
+
+
+@needs_transformers_5
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_batches_of_sequences_decode_as_transformers_does(batch, tmp_path, package_factory):
+    """Batch rows route to different experts: more distinct experts per step than a layer has
+    slots (the runtime then runs a step in chunks of experts that fit)."""
+    model, folder, pkg, layers = _checkpoint("qwen3_moe", tmp_path, package_factory)
+    top_k = pkg.SPEC.model.top_k
+    offloaded = moegen.load_offloaded(folder, pkg, expert_memory_gib=_budget_gib(pkg, layers, top_k + 2),
+                                      prefetch="router", device=DEVICE)
+    prompt = torch.randint(0, 64, (batch, 4), generator=torch.Generator().manual_seed(batch)).to(DEVICE)
+    with torch.no_grad():
+        tokens = offloaded.generate(prompt, max_new_tokens=3, do_sample=False)
+        assert torch.equal(tokens, model.generate(prompt, max_new_tokens=3, do_sample=False))
