@@ -1,0 +1,257 @@
+#!/usr/bin/env python
+"""Offloaded whole models (issue 80's measurements): transformers builds each architecture from its
+published config (specs/hf/) with random bf16 weights and saves it as safetensors; moegen loads the
+folder with moegen.load_offloaded at expert budgets of 25% and 50% of the experts and all-resident,
+with bf16 and int4 experts; accelerate's offload (device_map="auto", the same GPU memory) is the
+anchor a Hugging Face user has today.
+
+Per row: greedy decode tokens/s at batch 1 and 8 (the time of N new tokens less that of 1),
+prefill tokens/s of one 2048-token prompt, the decode floor (the bytes moved per token over the
+pinned host-to-device bandwidth measured here, plus the all-resident model's time per token), the
+share of the copies' link time the kernels did not wait for, hit rate, bytes moved per token, and
+peak GPU and host memory against the budget.
+
+    python tools/offload_model_bench.py [--models mixtral-8x7b,qwen3-30b-a3b,deepseek-v2-lite] [--layers N]
+    TRITON_INTERPRET=1 python tools/offload_model_bench.py --cpu-smoke   # the plumbing, tiny, on the CPU
+
+`--layers` (default 4) keeps each model within the GPU machine's disk and time: say so beside the
+figures. Prints a markdown table; with $OUT set, also writes it to $OUT/offload_model_bench.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite")
+BUDGETS = (0.25, 0.5, 1.0)  # shares of the experts' bytes; 1.0: all resident
+EXPERTS = {"bf16": "none", "int4": "int4_group"}
+
+
+def model_values(name: str, layers: int, smoke: bool) -> dict:
+    values = json.loads((REPO_ROOT / "specs" / "hf" / f"{name}.json").read_text())
+    values["num_hidden_layers"] = layers
+    if smoke:  # a toy of the same architecture, float32 for the interpreter
+        values.update(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+                      num_key_value_heads=4, vocab_size=128, torch_dtype="float32", kv_lora_rank=16,
+                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=16)
+    return values
+
+
+def save_checkpoint(values: dict, folder: Path, dtype) -> None:
+    import torch
+    import transformers
+
+    keys = {k: v for k, v in values.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    config = transformers.CONFIG_MAPPING[values["model_type"]](**keys)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder, max_shard_size="2GB")
+
+
+def build_package(folder: Path, experts: str, out: Path, smoke: bool):
+    import moegen
+    from moegen import knobs
+    from moegen.package import build
+    from moegen.spec.from_hf import read_config, spec_text
+
+    values, source = read_config(folder)
+    name = f"{folder.name}-{experts}"
+    text = spec_text(values, source, name).replace("quantization: none", f"quantization: {EXPERTS[experts]}")
+    if smoke and experts == "int4":
+        text = text.replace("quantization_group_size: 128", "quantization_group_size: 32")
+    spec = out / f"{name}.yaml"
+    spec.write_text(text)
+    with knobs.scope(MOEGEN_PRECOMPILE="0"):
+        package_folder, _ = build(str(spec), out)
+    return moegen.load(package_folder)
+
+
+def pinned_gbps(torch, device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty_like(host, device=device)
+    gpu.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(4):
+        gpu.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return 4 * host.nbytes / (time.perf_counter() - start) / 1e9
+
+
+def timed(torch, device, fn) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def decode_rate(torch, model, device, batch: int, new_tokens: int) -> float:
+    prompt = torch.randint(0, model.config.vocab_size, (batch, 32), generator=torch.Generator().manual_seed(batch))
+    prompt = prompt.to(device)
+
+    def generate(steps):
+        return lambda: model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+
+    generate(2)()  # warm-up
+    one, many = timed(torch, device, generate(1)), timed(torch, device, generate(new_tokens))
+    return batch * (new_tokens - 1) / max(many - one, 1e-9)
+
+
+def measure(torch, model, device, new_tokens: int, prefill_tokens: int) -> dict:
+    runtime = getattr(model, "moegen_offload", None)
+    row = {}
+    for batch in (1, 8):
+        before = (runtime.stats.bytes_moved, runtime.stats.accesses, runtime.stall_s) if runtime else None
+        row[f"decode{batch}"] = decode_rate(torch, model, device, batch, new_tokens)
+        if runtime and batch == 1:
+            steps = 1 + 1 + new_tokens + 1  # warm-up, one, many: tokens fed (prompt forwards aside)
+            row["bytes_per_token"] = (runtime.stats.bytes_moved - before[0]) / (steps * batch)
+            row["stall_s"] = runtime.stall_s - before[2]
+    prompt = torch.randint(0, model.config.vocab_size, (1, prefill_tokens), generator=torch.Generator().manual_seed(9))
+    prompt = prompt.to(device)
+    with torch.no_grad():
+        model(prompt[:, :16])
+        row["prefill"] = prefill_tokens / timed(torch, device, lambda: model(prompt))
+    if runtime:
+        row["hit_rate"], row["bytes_moved"] = runtime.stats.hit_rate, runtime.stats.bytes_moved
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", help=f"comma-separated, of {','.join(MODELS)} (default: all; --cpu-smoke: mixtral)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers of each model (default 4)")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--skip-accelerate", action="store_true")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU, eager")
+    args = ap.parse_args(argv)
+    smoke = args.cpu_smoke
+    models = args.models.split(",") if args.models else list(MODELS[:1] if smoke else MODELS)
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    import moegen
+    from moegen.spec.from_hf import moe_layer_ids
+
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    new_tokens, prefill_tokens = (2, 16) if smoke else (args.new_tokens, 2048)
+    link = pinned_gbps(torch, device)
+    lines = ["| model | experts | budget | decode tok/s b1 | b8 | prefill tok/s | floor tok/s b1 | % of floor "
+             "| link time hidden | hit rate | MB moved/token | peak GPU GiB | peak host GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    work = Path(tempfile.mkdtemp(prefix="moegen-offload-model-"))
+    try:
+        for name in models:
+            values = model_values(name, args.layers, smoke)
+            folder = work / name
+            save_checkpoint(values, folder, dtype)
+            resident_s_per_token = None
+            for experts in EXPERTS:
+                package = build_package(folder, experts, work, smoke)
+                m = package.SPEC.model
+                layers = len(moe_layer_ids(values))
+                all_bytes = layers * m.num_experts * m.expert_bytes
+                for share in sorted(BUDGETS, reverse=True):
+                    budget = max(share * all_bytes, layers * m.top_k * m.expert_bytes) / 2**30
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    model = moegen.load_offloaded(folder, package, expert_memory_gib=budget * 1.0001, device=device,
+                                                  prefetch="router")
+                    model.generation_config.pad_token_id = 0
+                    model.generation_config.eos_token_id = None  # random weights: decode every step
+                    row = measure(torch, model, device, new_tokens, prefill_tokens)
+                    if share == 1.0 and experts == "bf16":
+                        resident_s_per_token = 1 / row["decode1"]
+                    floor = "-"
+                    if resident_s_per_token and link == link and share < 1.0:
+                        floor_s = resident_s_per_token + row["bytes_per_token"] / (link * 1e9)
+                        floor = f"{1 / floor_s:.1f} | {row['decode1'] * floor_s:.0%}"
+                    else:
+                        floor = "- | -"
+                    link_s = row["bytes_moved"] / (link * 1e9) if link == link else float("nan")
+                    hidden = f"{1 - row['stall_s'] / link_s:.0%}" if link_s == link_s and link_s > 0 else "-"
+                    gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+                    host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                    lines.append(f"| {name} | {experts} | {share:.0%} ({budget:.2f} GiB) | {row['decode1']:.1f} "
+                                 f"| {row['decode8']:.1f} | {row['prefill']:.0f} | {floor} | {hidden} "
+                                 f"| {row['hit_rate']:.3f} | {row['bytes_per_token'] / 1e6:.1f} | {gpu_peak:.2f} "
+                                 f"| {host_peak:.2f} |")
+                    print(lines[-1], file=sys.stderr, flush=True)
+                    del model
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            if not args.skip_accelerate and not smoke:
+                bf16_experts = len(moe_layer_ids(values)) * 3 * values_expert_elements(values) * 2
+                gpu_bytes = checkpoint_bytes(folder) - bf16_experts + 0.5 * bf16_experts
+                lines.append(accelerate_row(torch, name, folder, device, new_tokens, gpu_bytes))
+            shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    header = [f"# Offloaded whole models: {args.layers} decoder layers each, random weights", "",
+              f"- {'CPU smoke run (tiny, interpreter)' if smoke else torch.cuda.get_device_name()}; torch "
+              f"{torch.__version__}; pinned host-to-device {link:.1f} GB/s (measured here); {new_tokens} greedy "
+              f"tokens after a 32-token prompt; prefill one {prefill_tokens}-token prompt; prefetch: router", ""]
+    print("\n".join(header + lines))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "offload_model_bench.md").write_text("\n".join(header + lines) + "\n")
+    return 0
+
+
+def values_expert_elements(values: dict) -> int:
+    """Elements of one routed expert's projection (H x I) from a config's values."""
+    from moegen.spec.from_hf import model_fields
+
+    fields = model_fields(values)
+    return fields["hidden_size"] * fields["intermediate_size"]
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """The bf16 checkpoint's bytes: every tensor of its shards."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as shard:
+            for key in shard.keys():
+                count = 1
+                for size in shard.get_slice(key).get_shape():
+                    count *= size
+                total += 2 * count
+    return total
+
+
+def accelerate_row(torch, name: str, folder: Path, device, new_tokens: int, gpu_bytes: float) -> str:
+    """transformers with accelerate's offload (device_map="auto"), the GPU given the non-expert
+    weights and half the experts' bytes (the 50% budget): decode tokens/s at batch 1."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, device_map="auto", max_memory={0: int(gpu_bytes), "cpu": "110GiB"})
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    rate = decode_rate(torch, model, device, 1, max(4, new_tokens // 4))
+    del model
+    torch.cuda.empty_cache()
+    return (f"| {name} | accelerate bf16 | 50% ({gpu_bytes / 2**30:.2f} GiB of GPU in all) | {rate:.2f} "
+            "| - | - | - | - | - | - | - | - | - |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
