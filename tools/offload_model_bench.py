@@ -101,35 +101,40 @@ def timed(torch, device, fn) -> float:
     return time.perf_counter() - start
 
 
-def decode_rate(torch, model, device, batch: int, new_tokens: int) -> float:
+def decode_rate(torch, model, device, batch: int, new_tokens: int) -> tuple[float, float, float]:
+    """(greedy tokens/s, bytes copied per token, stall seconds per token) of `batch` sequences: the
+    generation of new_tokens less that of 1, so that the prompt's forward (and its copies) cancel."""
     prompt = torch.randint(0, model.config.vocab_size, (batch, 32), generator=torch.Generator().manual_seed(batch))
     prompt = prompt.to(device)
+    runtime = getattr(model, "moegen_offload", None)
 
-    def generate(steps):
-        return lambda: model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    def run(steps):
+        before = (runtime.stats.bytes_moved, runtime.stall_s) if runtime else (0, 0.0)
+        seconds = timed(torch, device, lambda: model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps,
+                                                              do_sample=False))
+        after = (runtime.stats.bytes_moved, runtime.stall_s) if runtime else (0, 0.0)
+        return seconds, after[0] - before[0], after[1] - before[1]
 
-    generate(2)()  # warm-up
-    one, many = timed(torch, device, generate(1)), timed(torch, device, generate(new_tokens))
-    return batch * (new_tokens - 1) / max(many - one, 1e-9)
+    run(2)  # warm-up
+    one, many = run(1), run(new_tokens)
+    tokens = batch * (new_tokens - 1)
+    return (tokens / max(many[0] - one[0], 1e-9), (many[1] - one[1]) / tokens, (many[2] - one[2]) / tokens)
 
 
 def measure(torch, model, device, new_tokens: int, prefill_tokens: int) -> dict:
-    runtime = getattr(model, "moegen_offload", None)
     row = {}
     for batch in (1, 8):
-        before = (runtime.stats.bytes_moved, runtime.stats.accesses, runtime.stall_s) if runtime else None
-        row[f"decode{batch}"] = decode_rate(torch, model, device, batch, new_tokens)
-        if runtime and batch == 1:
-            steps = 1 + 1 + new_tokens + 1  # warm-up, one, many: tokens fed (prompt forwards aside)
-            row["bytes_per_token"] = (runtime.stats.bytes_moved - before[0]) / (steps * batch)
-            row["stall_s"] = runtime.stall_s - before[2]
+        rate, bytes_per_token, stall_per_token = decode_rate(torch, model, device, batch, new_tokens)
+        row[f"decode{batch}"] = rate
+        if batch == 1:
+            row["bytes_per_token"], row["stall_per_token"] = bytes_per_token, stall_per_token
     prompt = torch.randint(0, model.config.vocab_size, (1, prefill_tokens), generator=torch.Generator().manual_seed(9))
     prompt = prompt.to(device)
     with torch.no_grad():
         model(prompt[:, :16])
         row["prefill"] = prefill_tokens / timed(torch, device, lambda: model(prompt))
-    if runtime:
-        row["hit_rate"], row["bytes_moved"] = runtime.stats.hit_rate, runtime.stats.bytes_moved
+    runtime = getattr(model, "moegen_offload", None)
+    row["hit_rate"] = runtime.stats.hit_rate if runtime else 1.0
     return row
 
 
@@ -163,8 +168,8 @@ def main(argv=None) -> int:
             values = model_values(name, args.layers, smoke)
             folder = work / name
             save_checkpoint(values, folder, dtype)
-            resident_s_per_token = None
             for experts in EXPERTS:
+                resident_s_per_token = None  # the same experts' all-resident time per token
                 package = build_package(folder, experts, work, smoke)
                 m = package.SPEC.model
                 layers = len(moe_layer_ids(values))
@@ -178,16 +183,14 @@ def main(argv=None) -> int:
                     model.generation_config.pad_token_id = 0
                     model.generation_config.eos_token_id = None  # random weights: decode every step
                     row = measure(torch, model, device, new_tokens, prefill_tokens)
-                    if share == 1.0 and experts == "bf16":
+                    if share == 1.0:
                         resident_s_per_token = 1 / row["decode1"]
-                    floor = "-"
+                    floor = "- | -"  # tok/s | % of floor; on the GPU, for the offloaded rows
                     if resident_s_per_token and link == link and share < 1.0:
                         floor_s = resident_s_per_token + row["bytes_per_token"] / (link * 1e9)
                         floor = f"{1 / floor_s:.1f} | {row['decode1'] * floor_s:.0%}"
-                    else:
-                        floor = "- | -"
-                    link_s = row["bytes_moved"] / (link * 1e9) if link == link else float("nan")
-                    hidden = f"{1 - row['stall_s'] / link_s:.0%}" if link_s == link_s and link_s > 0 else "-"
+                    link_s = row["bytes_per_token"] / (link * 1e9) if link == link else float("nan")
+                    hidden = f"{1 - row['stall_per_token'] / link_s:.0%}" if link_s == link_s and link_s > 0 else "-"
                     gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
                     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
                     lines.append(f"| {name} | {experts} | {share:.0%} ({budget:.2f} GiB) | {row['decode1']:.1f} "
@@ -246,7 +249,7 @@ def accelerate_row(torch, name: str, folder: Path, device, new_tokens: int, gpu_
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, device_map="auto", max_memory={0: int(gpu_bytes), "cpu": "110GiB"})
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
-    rate = decode_rate(torch, model, device, 1, max(4, new_tokens // 4))
+    rate, _, _ = decode_rate(torch, model, device, 1, max(4, new_tokens // 4))
     del model
     torch.cuda.empty_cache()
     return (f"| {name} | accelerate bf16 | 50% ({gpu_bytes / 2**30:.2f} GiB of GPU in all) | {rate:.2f} "
