@@ -22,6 +22,33 @@ SHARED_DIR = REPO_ROOT.parent / "shared"
 TRACES_DIR = SHARED_DIR / "traces"
 
 
+def _needs_interpreter_numpy():
+    import numpy
+    import triton
+
+    version = tuple(int(part) for part in numpy.__version__.split(".")[:2])
+    return pytest.mark.skipif(triton.__version__.startswith("3.6") and version >= (2, 4),
+                              reason=f"Triton 3.6's interpreter needs numpy<2.4; this machine has numpy "
+                                     f"{numpy.__version__}")
+
+
+# Triton 3.6's interpreter fails on numpy 2.4 and later (CI pins numpy<2.4; a GPU machine may not).
+needs_interpreter_numpy = _needs_interpreter_numpy()
+
+
+def tool_smoke_report(tool: str, report: str, tmp_path: Path, *args: str) -> str:
+    """Run tools/<tool> with --cpu-smoke in Triton's interpreter, $OUT at tmp_path; the report
+    it wrote there (after checking that it exited 0)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / tool), "--cpu-smoke", *args], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return (tmp_path / report).read_text()
+
+
 def shared_trace(name: str) -> Path:
     """The path of ../shared/traces/<name>.jsonl.gz, or a skip that says what the folder is."""
     path = TRACES_DIR / f"{name}.jsonl.gz"

@@ -3,37 +3,23 @@ interpreter): the peers table, the stacked layers (each layer checked against th
 reference after its timed calls) and the cold-start table, then a clean exit."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy
-import pytest
-import triton
+from conftest import needs_interpreter_numpy, tool_smoke_report
 
 REPO = Path(__file__).resolve().parent.parent
 
 SMOKE_TOKENS = (1, 5, 17)  # gpu_check's own smoke token counts, all within its stacked cells
 
 
-# Triton 3.6's interpreter fails on numpy 2.4 and later (CI pins numpy<2.4; a GPU machine may not).
-_NUMPY = tuple(int(part) for part in numpy.__version__.split(".")[:2])
-
-
-@pytest.mark.skipif(triton.__version__.startswith("3.6") and _NUMPY >= (2, 4),
-                    reason=f"Triton 3.6's interpreter needs numpy<2.4; this machine has numpy {numpy.__version__}")
+@needs_interpreter_numpy
 def test_cpu_smoke_run_reports_every_table(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", OUT=str(tmp_path))
     # tiny, and tiny with int4 experts: the quantized spec's rows against the bf16 spec's
     quantized = tmp_path / "tiny-int4.yaml"
     quantized.write_text((REPO / "specs" / "tiny.yaml").read_text().replace("name: tiny", "name: tiny-int4").replace(
         "quantization: none\n  quantization_group_size: 128", "quantization: int4_group\n  quantization_group_size: 32"))
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--cpu-smoke", "--skip-tests",
-                             "--skip-offload", "--specs", f"tiny,{quantized}"], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = (tmp_path / "gpu_check.md").read_text()
+    report = tool_smoke_report("gpu_check.py", "gpu_check.md", tmp_path, "--skip-tests", "--skip-offload", "--specs",
+                               f"tiny,{quantized}")
     lines = report.splitlines()
     assert lines[-1].endswith("OK")
     caller_at = lines.index("## Callers who route themselves: fused_experts against fused_moe")
