@@ -56,11 +56,11 @@ def _gpu(measure: bool) -> dict:
 
         copy_gbps, read_gbps, hbm_gbps, tflops = measure_ceilings()
         info["measured"] = {"copy_gbps": copy_gbps, "read_gbps": read_gbps, "hbm_gbps": hbm_gbps,
-                            "bf16_tflops": tflops, "host_link_gbps": _pinned_link_gbps()}
+                            "bf16_tflops": tflops, "host_link_gbps": pinned_link_gbps()}
     return info
 
 
-def _pinned_link_gbps() -> float:
+def pinned_link_gbps() -> float:
     """Pinned host-to-device copy of 1 GiB, the best of three (what expert offload moves experts over)."""
     import torch
 

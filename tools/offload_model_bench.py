@@ -77,20 +77,6 @@ def build_package(folder: Path, experts: str, out: Path, smoke: bool):
     return moegen.load(package_folder)
 
 
-def pinned_gbps(torch, device) -> float:
-    if device.type != "cuda":
-        return float("nan")
-    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty_like(host, device=device)
-    gpu.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(4):
-        gpu.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return 4 * host.nbytes / (time.perf_counter() - start) / 1e9
-
-
 def timed(torch, device, fn) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -153,12 +139,13 @@ def main(argv=None) -> int:
     import torch
 
     import moegen
+    from moegen.doctor import pinned_link_gbps
     from moegen.spec.from_hf import moe_layer_ids
 
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
     new_tokens, prefill_tokens = (2, 16) if smoke else (args.new_tokens, 2048)
-    link = pinned_gbps(torch, device)
+    link = pinned_link_gbps() if device.type == "cuda" else float("nan")
     lines = ["| model | experts | budget | decode tok/s b1 | b8 | prefill tok/s | floor tok/s b1 | % of floor "
              "| link time hidden | hit rate | MB moved/token | peak GPU GiB | peak host GiB |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

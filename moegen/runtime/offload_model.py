@@ -182,15 +182,16 @@ def _load_non_experts(model: torch.nn.Module, folder: Path, layers: dict, device
     from safetensors import safe_open
 
     own = dict(model.named_parameters(remove_duplicate=False))
+    targets = {prefix: layer.checkpoint_targets() for prefix, layer in layers.items()}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as shard:
             for key in shard.keys():
-                prefix = next((p for p in layers if key.startswith(p)), None)
+                prefix = next((p for p in targets if key.startswith(p)), None)
                 if prefix is not None:
                     rest = key[len(prefix):]
                     if rest.startswith("experts."):
                         continue  # the host store has them
-                    target = layers[prefix].checkpoint_targets().get(rest)
+                    target = targets[prefix].get(rest)
                     if target is None:
                         raise ValueError(f"{path}: {key}: a tensor of a MoE block that moegen's layer does not hold")
                     with torch.no_grad():
