@@ -202,6 +202,13 @@ def test_a_config_that_does_not_suit_the_format_is_refused(package_factory):
     narrow = replace(ks.configs[0], decode_block_n=64, decode_block_k=128, decode_block_h=128)
     with pytest.raises(ValueError, match="decode_block_n 64 must be 128"):
         fused_moe(ks, x, logits, s13["weight"], s2["weight"], config=narrow, **scale_arguments(s13, s2))
+    int4 = package_factory(buckets=(1,), dtype="float16", router_dtype="float32", **CPU_SHAPES["int4"],
+                           **FORMATS["int4_g32"]).KERNELS
+    s13, s2 = quantize_w13(torch.randn(6, 160, 96), int4.weight_format), quantize(torch.randn(6, 96, 80), int4.weight_format)
+    x, logits = torch.randn(1, 96, dtype=torch.float16), torch.randn(1, 6)
+    narrow = replace(int4.configs[0], decode_block_n=16, decode_block_k=32, decode_block_h=32)
+    with pytest.raises(ValueError, match="decode_block_n 32 or more"):
+        fused_moe(int4, x, logits, s13["weight"], s2["weight"], config=narrow, **scale_arguments(s13, s2))
 
 
 GPU_T = (1, 7, 64, 1000, 4096)

@@ -6,6 +6,11 @@ from dataclasses import replace
 
 from moegen.ir import KernelSignature
 from moegen.quant.formats import FP8_BLOCK, WeightFormat
+
+# The narrowest int4 decode slice that computes right: every 16-column tile the tuner tried
+# (any BLOCK_K/BLOCK_H/warps/stages) was wrong on the H100 with Triton 3.6, relative error ~1.6,
+# while the interpreter computes it right (PERFORMANCE.md).
+INT4_DECODE_MIN_N = 32
 from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.align import RUN_WRAP
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, decode_grid, pow2_at_least, tma_rows_aligned
@@ -181,6 +186,9 @@ def format_violation(c: KernelConfig, fmt: WeightFormat) -> str | None:
         wrong = [f"{name} {value}" for name, value in steps.items() if value != FP8_BLOCK]
         if wrong:
             return f"fp8_block multiplies {FP8_BLOCK}-wide groups: {', '.join(wrong)} must be {FP8_BLOCK}"
+    if fmt.quantization == "int4_group" and 0 < c.decode_block_n < INT4_DECODE_MIN_N:
+        return (f"int4_group decode slices of {c.decode_block_n} columns compute wrongly on the GPU (Triton 3.6): "
+                f"decode_block_n {INT4_DECODE_MIN_N} or more")
     return None
 
 
@@ -191,6 +199,8 @@ def fit_format(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
         c = replace(c, tma=False, l2_evict_first=False)
     if fmt.quantization == "fp8_channel":
         c = replace(c, decode_block_n=0, decode_stagger_k=False)
+    if fmt.quantization == "int4_group" and 0 < c.decode_block_n < INT4_DECODE_MIN_N:
+        c = replace(c, decode_block_n=INT4_DECODE_MIN_N)
     if fmt.quantization == "fp8_block":
         c = replace(c, block_k=FP8_BLOCK, down_block_k=FP8_BLOCK)
         if c.decode_block_n:
