@@ -328,13 +328,13 @@ def _check_layout(a, expert_of_slot: torch.Tensor, num_experts: int, block_m: in
     with tail rows first, each kind in expert order), padded exactly as run_rows says; the other
     rows of the blocks in use the sentinel (rows beyond them are never read); each block's word:
     its expert and (run_words) its rank in the run modulo RUN_WRAP and the blocks left in it,
-    capped. Returns the expert of each slot as the layout says."""
+    capped; slots of expert -1 (skipped) nowhere. Returns the expert of each slot as the layout says."""
     num_slots = expert_of_slot.numel()
     used, blocks = int(a.num_padded), int(a.num_padded) // block_m
     slots = a.sorted_slots.long().cpu()
     words = a.block_runs.long().cpu()[:blocks]
     experts = words & EXPERT_MASK
-    counts = torch.bincount(expert_of_slot, minlength=num_experts)
+    counts = torch.bincount(expert_of_slot[expert_of_slot >= 0], minlength=num_experts)
     padded = run_rows(counts, block_m, tail_m)
     assert used == int(padded.sum())
     assert slots.numel() == a.max_padded + a.max_padded // block_m * tail_m
@@ -432,18 +432,28 @@ def test_single_program_routing_threshold(experts, knob, expected, monkeypatch):
     assert fused.single_route_max_tokens(experts) == expected
 
 
+@pytest.mark.parametrize("skips", [False, True], ids=["all", "skips"])
 @pytest.mark.parametrize("group_m", [1, 4])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tail_m,tails_first", [(0, False), (16, False), (16, True)],
                          ids=["padded", "tail_rows", "tails_first"])
 @pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 6, 2, 16), (33, 5, 3, 16), (64, 8, 2, 32), (5, 128, 8, 16),
                                                           (150, 4, 1, 32), (700, 3, 1, 16)])
-def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m, tails_first, ids_dtype, group_m):
+def test_alignment_groups_and_pads(tokens, experts, top_k, block_m, tail_m, tails_first, ids_dtype, group_m, skips):
     """The caller-routing layout; runs of up to ~15 and of more than RUN_WRAP blocks (700 tokens
-    on 3 experts); groups of 1 carry only the expert in the blocks' words."""
+    on 3 experts); groups of 1 carry only the expert in the blocks' words. With skips, about a
+    third of the picks are SKIPPED_PICK (the offload runtime's groups): left out, and counted by
+    no run."""
+    from moegen.runtime.fused import SKIPPED_PICK
+
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]).to(ids_dtype)
-    _check_layout(align_tokens(ids, experts, block_m, tail_m, group_m, tails_first), ids.reshape(-1).long(), experts,
+    expected = ids.reshape(-1).long()
+    if skips:
+        skipped = torch.rand(ids.shape, generator=generator) < 1 / 3
+        ids = ids.masked_fill(skipped, SKIPPED_PICK)
+        expected = expected.masked_fill(skipped.reshape(-1), -1)
+    _check_layout(align_tokens(ids, experts, block_m, tail_m, group_m, tails_first, skips), expected, experts,
                   block_m, tail_m, run_words=group_m > 1, tails_first=tails_first)
 
 

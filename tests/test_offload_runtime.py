@@ -35,7 +35,8 @@ def _setup(package_factory, slots: int, prefetch: str = "none", policy: str = "l
 @pytest.mark.parametrize("slots,predictor,tokens,policy", [
     (2, None, 1, "lru"), (3, None, 1, "lru"), (4, "history", 1, "lru"), (3, "xlayer", 1, "lru"),
     (3, "neighbors", 1, "decayed_lfu"), (4, "router", 1, "lru"), (3, None, 5, "lru"), (2, None, 4, "lru"),
-    (4, "neighbors", 3, "neighbor_lfu"), (3, None, 1, "neighbor_lfu")])
+    (4, "neighbors", 3, "neighbor_lfu"), (3, None, 1, "neighbor_lfu"), (3, None, 40, "lru"),
+    (4, "history", 40, "decayed_lfu")])
 def test_offloaded_output_equals_all_resident(package_factory, slots, predictor, tokens, policy):
     pkg, plan, host, layers = _setup(package_factory, slots, prefetch="none" if predictor is None else "history",
                                      policy=policy)

@@ -246,11 +246,13 @@ class OffloadPolicyEngine:
         slack = min(1.0, room / (self.slack_fraction * self.budget.loads))
         return self.prefetch_threshold - slack * (self.prefetch_threshold - self.slack_threshold)
 
-    def on_route(self, layer: int, experts: Sequence[int], learn: bool = True) -> RouteResult:
+    def on_route(self, layer: int, experts: Sequence[int], learn: bool = True, more_of_step: bool = False
+                 ) -> RouteResult:
         """The router chose ``experts`` at ``layer``: count hits, load the misses (demand loads).
         With learn=False the predictor learns only at ``learn(layer)``, which must come before the
-        next prediction."""
-        if self._current[layer] is not None:
+        next prediction. With more_of_step, ``experts`` are a further group of the layer's current
+        step (a step with more distinct experts than slots is run in groups that fit)."""
+        if self._current[layer] is not None and not more_of_step:
             self.begin_token()
         cache, policy, step, stats = self.caches[layer], self.policies[layer], self._steps[layer], self.stats
         needed = set(experts)
@@ -280,7 +282,7 @@ class OffloadPolicyEngine:
         policy.record(experts, step)
         if self.budget is not None:
             self.budget.record(layer, experts)
-        self._current[layer] = tuple(experts)
+        self._current[layer] = (self._current[layer] or ()) + tuple(experts) if more_of_step else tuple(experts)
         if learn:
             self.learn(layer)
         # Prefetches for the next step must not evict this step's experts: with lookahead the

@@ -75,10 +75,11 @@ def block_words(block_expert: torch.Tensor, padded_end: torch.Tensor, padded_row
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0,
-                 group_m: int = 1, tails_first: bool = False) -> Alignment:
+                 group_m: int = 1, tails_first: bool = False, skips: bool = False) -> Alignment:
     """The layout for a routing chosen by the caller, in ~20 tensor ops (each a launch, in a CUDA
     graph too: few ops matter at decode sizes). Experts' runs come from one stable sort: where
-    each expert's slots start is a binary search of the sorted ids."""
+    each expert's slots start is a binary search of the sorted ids. With skips, picks of ids
+    num_experts and above are left out (three ops more)."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
@@ -86,6 +87,10 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m:
 
     sorted_expert, order = torch.sort(flat, stable=True)
     bounds = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device), out_int32=True)
+    skipped = None
+    if skips:  # skipped picks sort last, past every count: placed as the last expert's, then dropped
+        skipped = sorted_expert >= num_experts
+        sorted_expert = sorted_expert.clamp(max=num_experts - 1)
     count_start = bounds[:-1]
     counts = bounds[1:] - count_start
     padded_counts = run_rows(counts, block_m, tail_m)
@@ -104,9 +109,11 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m:
         tail_row = max_padded + tail_block[sorted_expert] * tail_m + rank - rows
         destination = torch.where(rank < rows, destination, tail_row)
 
-    sorted_slots = torch.full((aligned_rows(max_padded, block_m, tail_m),), num_slots, dtype=torch.int32,
-                              device=device)
-    sorted_slots.scatter_(0, destination, order.to(torch.int32))
+    rows = aligned_rows(max_padded, block_m, tail_m)
+    sorted_slots = torch.full((rows + (skipped is not None),), num_slots, dtype=torch.int32, device=device)
+    if skipped is not None:
+        destination = destination.masked_fill(skipped, rows)  # the one row past the layout, cut off below
+    sorted_slots = sorted_slots.scatter_(0, destination, order.to(torch.int32))[:rows]
     block_start = torch.arange(0, max_padded, block_m, dtype=torch.int32, device=device)
     block_expert = torch.searchsorted(layout_end, block_start, right=True, out_int32=True).clamp_(max=num_experts - 1)
     if tails_first:

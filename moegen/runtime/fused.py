@@ -616,21 +616,28 @@ def fused_experts(ks: KernelSet, hidden_states, topk_weights, topk_ids, w13, w2,
                     weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero))
 
 
+# A slot id past every pool (and past the decode kernel's padded expert ids): the pick is skipped.
+SKIPPED_PICK = 2**31 - 1
+
+
 def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, *,
                            w13_scale=None, w2_scale=None, w13_zero=None, w2_zero=None,
                            config: Optional[KernelConfig] = None) -> torch.Tensor:
     """The experts with weights from a slot pool ([S,2I,H], [S,H,I]; quantized: their storage
     and scales, slot first) and top-k given as slot indices: what the offload runtime runs,
-    without gathering weights into a per-step tensor."""
+    without gathering weights into a per-step tensor. In batches of two tokens or more, picks
+    whose slot is SKIPPED_PICK add nothing (the runtime streams experts through the pool in
+    groups: each call takes one group's picks)."""
     slots = w13_pool.shape[0]
     _check_inputs(ks, hidden_states, w13_pool, w2_pool, slots, names=("w13_pool", "w2_pool"), w13_scale=w13_scale,
                   w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
     _check_config(ks, config)
     return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config,
-                    weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero))
+                    weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero), skips=hidden_states.shape[0] > 1)
 
 
-def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config, scales: WeightScales):
+def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config, scales: WeightScales,
+             skips: bool = False):
     num_tokens, device = hidden_states.shape[0], hidden_states.device
     _check("topk_weights", topk_weights, (num_tokens, ks.top_k), FLOATING, device)
     _check("topk_ids", topk_ids, (num_tokens, ks.top_k), INTEGER, device)
@@ -639,7 +646,7 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
     cfg = config or ks.config_for(num_tokens)
     if uses_decode(cfg, num_tokens):
         return _decode_routed(ks, cfg, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, scales)
-    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m, cfg.tails_first)
+    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m, cfg.tails_first, skips)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2, scales)
 

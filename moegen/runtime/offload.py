@@ -196,12 +196,19 @@ class OffloadedMoE:
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer's MoE output [T, H] for a routing chosen by the caller."""
         ids = self._routing_on_host(layer, hidden_states, topk_weights, topk_ids)
-        chunks = _chunks_that_fit(ids, self.plan.slots_per_layer[layer])
-        if len(chunks) == 1:
-            return self._forward(layer, hidden_states, topk_weights, topk_ids, ids)
-        # More distinct experts than slots: run the batch in parts whose experts fit the pool.
-        return torch.cat([self._forward(layer, hidden_states[a:b], topk_weights[a:b], topk_ids[a:b], ids[a:b])
-                          for a, b in chunks])
+        if self._first_step:  # the first layers' prefetches, before anything was routed
+            self._first_step = False
+            for early in range(min(self.lookahead, self.plan.num_layers)):
+                self._prefetch(early, hidden_states)
+        # A batch step is one access per distinct expert (a decode step: one per routed expert).
+        distinct = list(dict.fromkeys(e for token in ids for e in token))
+        if len(distinct) <= self.plan.slots_per_layer[layer]:
+            out = self._step(layer, hidden_states, topk_weights, topk_ids, distinct)
+        else:
+            out = self._stream(layer, hidden_states, topk_weights, topk_ids, distinct)
+        self.engine.learn(layer)  # while the kernels run
+        self._prefetch((layer + self.lookahead) % self.plan.num_layers, hidden_states)
+        return out
 
     def _routing_on_host(self, layer, hidden_states, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> list:
         """topk_ids as lists, after the per-layer host synchronization; the step's inputs checked
@@ -227,43 +234,100 @@ class OffloadedMoE:
                              f"id in 0..{e - 1} (layer {layer})")
         return ids
 
-    def _forward(self, layer, hidden_states, topk_weights, topk_ids, ids) -> torch.Tensor:
-        if self._first_step:  # the first layers' prefetches, before anything was routed
-            self._first_step = False
-            for early in range(min(self.lookahead, self.plan.num_layers)):
-                self._prefetch(early, hidden_states)
+    def _step(self, layer, hidden_states, topk_weights, topk_ids, distinct) -> torch.Tensor:
+        """A step whose experts fit the pool: demand loads, then the kernels on the pool (through
+        the layer's CUDA graph for decode-sized batches)."""
         pool = self.pools[layer]
-        # A batch step is one access per distinct expert (a decode step: one per routed expert).
-        distinct = list(dict.fromkeys(e for token in ids for e in token))
         demand = self.engine.on_route(layer, distinct, learn=False).loads
-        if self.on_gpu:
-            if demand or pool.landed is not None:
-                stream = torch.cuda.current_stream(self.device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                if pool.landed is not None:  # its prefetches land before a demand copy may reuse a slot
-                    stream.wait_event(pool.landed)
-                    pool.landed = None
-                for load in demand:  # on the compute stream: the kernels below run after them
-                    self._copy(load, None)
-                end.record(stream)
-                self._stall_marks.append((start, end))
-                if len(self._stall_marks) >= 64:  # the per-layer synchronization completed most
-                    self._read_stall_marks()
-        else:
-            started = time.perf_counter()
-            for load in demand:  # synchronous on the CPU
-                self._copy(load, None)
-            self._stall_s += time.perf_counter() - started
+        landed, pool.landed = pool.landed, None  # its prefetches land before a demand copy may reuse a slot
+        self._wait_for_copies([landed], demand)
         if pool.moved:
             self._publish_slots(layer)
         out = self.graphs(layer, functools.partial(self._experts, pool), hidden_states, topk_weights, topk_ids)
         if self.on_gpu:
             pool.done = torch.cuda.Event()
             pool.done.record()
-        self.engine.learn(layer)  # while the kernels run
-        self._prefetch((layer + self.lookahead) % self.plan.num_layers, hidden_states)
         return out
+
+    def _stream(self, layer, hidden_states, topk_weights, topk_ids, distinct) -> torch.Tensor:
+        """A step with more distinct experts than slots (a prompt, a large batch): its experts pass
+        through the pool in groups of half the slots, resident ones first, each group's picks
+        computed while the next group's copies run on the side stream; a copy waits only for the
+        kernels that read the slot it overwrites. The groups' sums add up in float32."""
+        pool, cache = self.pools[layer], self.engine.cache(layer)
+        half = max(1, self.plan.slots_per_layer[layer] // 2)
+        ordered = sorted(distinct, key=lambda e: e not in cache)  # resident first, no copy to wait for
+        groups = [ordered[i:i + half] for i in range(0, len(ordered), half)]
+        loads, tables = [], []  # each group's copies, and its expert -> slot table (others skipped)
+        for g, group in enumerate(groups):
+            loads.append(self.engine.on_route(layer, group, learn=False, more_of_step=g > 0).loads)
+            table = [fused.SKIPPED_PICK] * self.kernels.num_experts
+            for e in group:
+                table[e] = cache.slot_of[e]
+            tables.append(table)
+        slot_tables = torch.tensor(tables, dtype=torch.int32, pin_memory=self.on_gpu).to(self.device,
+                                                                                       non_blocking=True)
+        picks = topk_ids.long()
+        reader: dict = {}  # slot -> the last group whose kernels read it
+        done: list = []  # each group's kernels' end
+
+        def copy_group(g):
+            """Group g's copies on the side stream, after the kernels that read their slots."""
+            if not loads[g]:
+                return None
+            for after in sorted({reader[load.slot] for load in loads[g] if load.slot in reader}):
+                self.copy_stream.wait_event(done[after])
+            for load in loads[g]:
+                self._copy(load, self.copy_stream)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+            return event
+
+        landed = [pool.landed]  # the prefetches into the pool
+        pool.landed = None
+        if self.on_gpu:
+            if pool.done is not None:
+                self.copy_stream.wait_event(pool.done)  # the layer's previous kernels still read the slots
+            landed.append(copy_group(0))
+        out = None
+        for g, group in enumerate(groups):
+            self._wait_for_copies(landed, [] if self.on_gpu else loads[g])
+            part = fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_tables[g][picks],
+                                                pool.parts["w13"], pool.parts["w2"], **self._scales(pool))
+            out = part.float() if out is None else out.add_(part)
+            reader.update((tables[g][e], g) for e in group)
+            if self.on_gpu:
+                done.append(torch.cuda.Event())
+                done[-1].record()
+                landed = [copy_group(g + 1)] if g + 1 < len(groups) else []
+        pool.moved = True  # the table on the GPU is still the last step's
+        pool.done = done[-1] if done else None
+        return out.to(hidden_states.dtype)
+
+    def _wait_for_copies(self, events: list, loads: list) -> None:
+        """The compute stream waits for `events` (copies on the side stream), then copies `loads`
+        itself: the kernels behind wait for both, and that wait is the stall (on the GPU the time
+        between events around it, read later; on the CPU the copies' own time)."""
+        events = [e for e in events if e is not None]
+        if not self.on_gpu:
+            started = time.perf_counter()
+            for load in loads:
+                self._copy(load, None)
+            self._stall_s += time.perf_counter() - started
+            return
+        if not events and not loads:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for event in events:
+            stream.wait_event(event)
+        for load in loads:  # on the compute stream: the kernels behind run after them
+            self._copy(load, None)
+        end.record(stream)
+        self._stall_marks.append((start, end))
+        if len(self._stall_marks) >= 64:  # the per-layer synchronization completed most
+            self._read_stall_marks()
 
     def _publish_slots(self, layer: int) -> None:
         """Copy the engine's expert -> slot table of ``layer`` to the GPU, stream-ordered."""
@@ -279,18 +343,9 @@ class OffloadedMoE:
 
     def _experts(self, pool: _Pool, hidden_states, topk_weights, topk_ids) -> torch.Tensor:
         slot_ids = pool.slot_table[topk_ids.long()]
-        scales = {name: value for name, value in pool.parts.items() if name not in ("w13", "w2")}
         return fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_ids, pool.parts["w13"],
-                                            pool.parts["w2"], **scales)
+                                            pool.parts["w2"], **self._scales(pool))
 
-
-def _chunks_that_fit(ids: list, slots: int) -> list[tuple[int, int]]:
-    """Consecutive token ranges [a, b) whose distinct experts fit `slots`."""
-    chunks, start, seen = [], 0, set()
-    for t, token in enumerate(ids):
-        if len(seen | set(token)) > slots and t > start:
-            chunks.append((start, t))
-            start, seen = t, set()
-        seen |= set(token)
-    chunks.append((start, len(ids)))
-    return chunks
+    @staticmethod
+    def _scales(pool: _Pool) -> dict:
+        return {name: value for name, value in pool.parts.items() if name not in ("w13", "w2")}
