@@ -76,6 +76,42 @@ def test_a_quantized_package_quantizes_the_experts_as_they_load(tmp_path, packag
 
 
 @needs_transformers_5
+def test_a_quantized_checkpoint_loads_as_stored(tmp_path, package_factory):
+    """A compressed-tensors int4 checkpoint (`moegen quantize`), one attention projection stored
+    quantized too (as AWQ and fp8 checkpoints hold every linear layer): the experts' stored bytes
+    go to the host store as they are, the projection is dequantized, and the logits are those of
+    the unquantized model with the same weights rounded."""
+    from safetensors.torch import load_file, save_file
+
+    from moegen.quant.convert import quantize_checkpoint, quantized_tensors
+    from moegen.quant.quantize import dequantize, quantize
+
+    fields = dict(quantization="int4_group", quantization_group_size=32, quantization_zero_point=True)
+    model, folder, pkg, layers = _checkpoint("qwen3_moe", tmp_path, package_factory, **fields)
+    fmt = pkg.KERNELS.weight_format
+    assert quantize_checkpoint(folder, tmp_path / "int4", fmt) == layers * 12 * 3
+    projection = "model.layers.1.self_attn.q_proj"
+    shard = next(path for path in sorted((tmp_path / "int4").glob("*.safetensors"))
+                 if f"{projection}.weight" in load_file(path))
+    tensors = load_file(shard)
+    weight = tensors.pop(f"{projection}.weight")
+    save_file(tensors | quantized_tensors(projection, weight, fmt), shard, metadata={"format": "pt"})
+
+    offloaded = moegen.load_offloaded(tmp_path / "int4", pkg, expert_memory_gib=_budget_gib(pkg, layers, 6),
+                                      device=DEVICE)
+    assert sorted(offloaded.moegen_offload.host.parts) == ["w13", "w13_scale", "w13_zero", "w2", "w2_scale",
+                                                           "w2_zero"]
+    assert moegen.replace_moe_blocks(model, pkg) == layers  # the same rounding, all resident
+    q_proj = model.get_submodule(projection)
+    with torch.no_grad():
+        q_proj.weight.copy_(dequantize(quantize(weight[None], fmt), fmt, *weight.shape)[0])
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    with torch.no_grad():
+        error = ref.relative_error(offloaded(prompt).logits.double(), model(prompt).logits.double())
+    assert error <= TOLERANCE
+
+
+@needs_transformers_5
 def test_what_load_offloaded_refuses(tmp_path, package_factory):
     model, folder, pkg, layers = _checkpoint("mixtral", tmp_path, package_factory)
     with pytest.raises(SpecError, match="need"):  # a budget below one token's experts in every layer
@@ -86,7 +122,8 @@ def test_what_load_offloaded_refuses(tmp_path, package_factory):
         moegen.load_offloaded(folder, other, device=DEVICE)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(ValueError, match="a quantized checkpoint"):
+    with pytest.raises(ValueError, match=r"a quantized checkpoint \(awq\), and this package's experts are "
+                                         r"unquantized: build the spec `moegen spec"):
         moegen.load_offloaded(folder, pkg, device=DEVICE)
     (folder / "config.json").write_text(json.dumps(config))
     shard = sorted(folder.glob("*.safetensors"))[0]
@@ -124,7 +161,7 @@ def test_a_model_built_in_host_memory_offloads_in_place(family, tmp_path, packag
 @pytest.mark.parametrize("batch", [1, 16, 64])
 def test_batches_of_sequences_decode_as_transformers_does(batch, tmp_path, package_factory):
     """Batch rows route to different experts: more distinct experts per step than a layer has
-    slots (the runtime then runs a step in chunks of experts that fit)."""
+    slots (the runtime then streams the step's experts through the pool in groups)."""
     model, folder, pkg, layers = _checkpoint("qwen3_moe", tmp_path, package_factory)
     top_k = pkg.SPEC.model.top_k
     offloaded = moegen.load_offloaded(folder, pkg, expert_memory_gib=_budget_gib(pkg, layers, top_k + 2),

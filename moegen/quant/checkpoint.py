@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from moegen.errors import MoegenError
-from moegen.quant.formats import FP8_BLOCK, WeightFormat, cdiv
-from moegen.quant.quantize import pack_int4
+from moegen.quant.formats import FP8_BLOCK, WeightFormat, cdiv, named_storage
+from moegen.quant.quantize import dequantize, pack_int4
 
 METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output of each nibble of an AWQ word, lowest nibble first
@@ -92,6 +92,27 @@ def repack(tensors: dict, method: str, fmt: WeightFormat, n: int, k: int, name: 
     if method == "gptq":
         return _gptq(tensors, fmt, n, k, group, name)
     return _compressed_int4(tensors, fmt, n, k, group, name)
+
+
+def repack_expert(tensors_of, names: tuple[str, str, str], method: str, fmt: WeightFormat, hidden: int,
+                  inter: int) -> dict[str, torch.Tensor]:
+    """One expert's storage by stored name (w13, w2 and their scales and zero points, without the
+    expert dimension) from its gate, up and down projections; tensors_of(projection name) ->
+    ({suffix: tensor}, the projection's checkpoint name). Gate's rows (and scale blocks) come
+    before up's in w13."""
+    gate, up, down = (repack(tensors, method, fmt, n, k, where)
+                      for (tensors, where), n, k in ((tensors_of(names[0]), inter, hidden),
+                                                     (tensors_of(names[1]), inter, hidden),
+                                                     (tensors_of(names[2]), hidden, inter)))
+    return named_storage({part: torch.cat((gate[part], up[part])) for part in gate}, down)
+
+
+def dequantize_linear(tensors: dict, fmt: WeightFormat, n: int, k: int, name: str) -> torch.Tensor:
+    """A quantized checkpoint's linear layer other than an expert (attention, shared experts) as
+    float32 weights [N, K], from its tensors by suffix: the model runs it unquantized."""
+    method = infer_method(tensors)
+    stored = {part: value[None] for part, value in repack(tensors, method, fmt, n, k, name).items()}
+    return dequantize(stored, fmt, n, k, torch.float32)[0]
 
 
 def _fp8(tensors: dict, fmt: WeightFormat, n: int, k: int, name: str) -> dict:

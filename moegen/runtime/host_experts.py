@@ -19,8 +19,10 @@ from moegen.quant.quantize import quantize, quantize_w13
 # Checkpoint names per expert projection: Mixtral (w1 gate, w3 up, w2 down) and the
 # Qwen/DeepSeek/OLMoE style (gate_proj, up_proj, down_proj).
 PROJECTION_NAMES = {"mixtral": ("w1", "w3", "w2"), "llama": ("gate_proj", "up_proj", "down_proj")}
-MIXTRAL_KEY = "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight"
-LLAMA_KEY = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"  # Qwen3-MoE, OLMoE, DeepSeek
+MIXTRAL_EXPERT = "model.layers.{layer}.block_sparse_moe.experts.{expert}."
+LLAMA_EXPERT = "model.layers.{layer}.mlp.experts.{expert}."  # Qwen3-MoE, OLMoE, DeepSeek
+MIXTRAL_KEY = MIXTRAL_EXPERT + "{proj}.weight"
+LLAMA_KEY = LLAMA_EXPERT + "{proj}.weight"
 
 
 def _pinned_empty(shape, dtype) -> torch.Tensor:
@@ -105,6 +107,61 @@ class HostExperts:
         return cls.from_safetensors(files, len(layer_ids), model["num_experts"], model["hidden_size"],
                                     model["intermediate_size"], getattr(torch, model["dtype"]), key_format, names,
                                     layer_ids)
+
+    @classmethod
+    def from_quantized_checkpoint(cls, folder: str | Path, fmt) -> "HostExperts":
+        """The routed experts of a quantized Hugging Face model folder (fp8, AWQ, GPTQ or
+        compressed-tensors per-expert tensors, moegen/quant/checkpoint.py) for every MoE layer,
+        repacked expert by expert into pinned buffers of the format `fmt` (the package's), read
+        through the shards' memory maps: the checkpoint is never held in pageable memory."""
+        from contextlib import ExitStack
+
+        from safetensors import safe_open
+
+        from moegen.quant.checkpoint import CheckpointError, infer_method, repack_expert
+        from moegen.spec.from_hf import model_fields, moe_layer_ids, read_config
+
+        values, source = read_config(Path(folder))
+        model, layer_ids = model_fields(values, source), moe_layer_ids(values, source)
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder}: no *.safetensors files beside config.json")
+        expert_format, names = ((MIXTRAL_EXPERT, "mixtral") if values["model_type"] == "mixtral"
+                                else (LLAMA_EXPERT, "llama"))
+        names = PROJECTION_NAMES[names]
+        hidden, inter = model["hidden_size"], model["intermediate_size"]
+        layers: dict[str, list] = {}
+        with ExitStack() as stack:
+            by_module: dict[str, dict] = {}  # projection name -> {suffix: its shard}
+            for path in files:
+                shard = stack.enter_context(safe_open(str(path), framework="pt"))
+                for key in shard.keys():
+                    module, _, suffix = key.rpartition(".")
+                    by_module.setdefault(module, {})[suffix] = shard
+            first = expert_format.format(layer=layer_ids[0], expert=0) + names[0]
+            method = infer_method(by_module.get(first, {}))
+            if method is None:
+                raise CheckpointError(f"{source}: a quantized checkpoint whose expert {first} is not in a layout "
+                                      f"moegen reads (tensors {sorted(by_module.get(first, {}))}); expected fp8, AWQ, "
+                                      "GPTQ or compressed-tensors per-expert tensors")
+            for layer in layer_ids:
+                stored: dict = {}
+                for e in range(model["num_experts"]):
+                    base = expert_format.format(layer=layer, expert=e)
+
+                    def tensors_of(name):
+                        shards = by_module.get(base + name, {})
+                        return {suffix: shard.get_tensor(f"{base}{name}.{suffix}")
+                                for suffix, shard in shards.items()}, base + name
+
+                    for name, value in repack_expert(tensors_of, names, method, fmt, hidden, inter).items():
+                        if name not in stored:
+                            stored[name] = _pinned_empty((model["num_experts"], *value.shape), value.dtype)
+                        stored[name][e].copy_(value)
+                for name, value in stored.items():
+                    layers.setdefault(name, []).append(value)
+        return cls(tuple(layers.pop("w13")), tuple(layers.pop("w2")),
+                   {name: tuple(per_layer) for name, per_layer in layers.items()})
 
     @classmethod
     def from_safetensors(cls, files: Iterable[str | Path], num_layers: int, num_experts: int, hidden: int,

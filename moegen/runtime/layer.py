@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from moegen.quant.checkpoint import METHODS, CheckpointError, infer_method, repack
-from moegen.quant.formats import named_storage, stored_name
+from moegen.quant.checkpoint import METHODS, CheckpointError, infer_method, repack_expert
+from moegen.quant.formats import named_storage
 from moegen.quant.quantize import quantize, quantize_w13
 from moegen.runtime import compile_op, fused
 from moegen.runtime.host_experts import PROJECTION_NAMES
@@ -212,25 +212,20 @@ class MoELayerBase(torch.nn.Module):
         """({parameter name: staged value}, the checkpoint keys read) of every expert's quantized
         projections, repacked (nothing is written to the layer yet)."""
         m, fmt = self.spec.model, self.kernels.weight_format
-        h, inter = m.hidden_size, m.intermediate_size
         stored = {name: torch.empty_like(param) for name, param in self.named_parameters()
                   if name.split("_")[0] in ("w13", "w2")}
         used = set()
-        # fp8 blocks restart at the up projection's first row: its block rows follow the gate's.
-        half = stored["w13_scale"].shape[1] // 2 if fmt.quantization == "fp8_block" else inter
-        gate_name, up_name, down_name = self._expert_names(state_dict, prefix)
+        names = self._expert_names(state_dict, prefix)
         for e in range(m.num_experts):
-            for proj, name, rows, scale_rows, n, k in (
-                    ("w13", gate_name, slice(0, inter), slice(0, half), inter, h),
-                    ("w13", up_name, slice(inter, 2 * inter), slice(half, None), inter, h),
-                    ("w2", down_name, slice(None), slice(None), h, inter)):
+            def tensors_of(name):
                 base = f"{prefix}experts.{e}.{name}."
                 tensors = {key[len(base):]: state_dict[key] for key in state_dict if key.startswith(base)}
                 used.update(base + suffix for suffix in tensors)
-                for part, value in repack(tensors, method, fmt, n, k, base[:-1]).items():
-                    target = stored_name(proj, part)
-                    stored[target][e, rows if part == "weight" or fmt.quantization != "fp8_block" else scale_rows] \
-                        = value.to(stored[target].device)
+                return tensors, base[:-1]
+
+            for target, value in repack_expert(tensors_of, names, method, fmt, m.hidden_size,
+                                               m.intermediate_size).items():
+                stored[target][e] = value.to(stored[target].device)
         return stored, used
 
     def _hf_targets(self, state_dict: dict, prefix: str, w13: torch.Tensor,

@@ -12,6 +12,7 @@ about the experts' bytes; nothing beyond the plan's slots of experts reaches the
 """
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -19,11 +20,15 @@ from typing import Optional
 import torch
 
 from moegen.ir import lower
+from moegen.quant.checkpoint import dequantize_linear, infer_method
+from moegen.quant.formats import WeightFormat
 from moegen.plan.offload import OffloadPlan, plan_offload
 from moegen.runtime.host_experts import HostExperts
 from moegen.runtime.layer import Router, shared_experts_output
 from moegen.runtime.offload import OffloadedMoE
 from moegen.runtime.routing import route
+
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # a routed expert's module in a per-expert checkpoint
 
 
 class OffloadedMoELayer(torch.nn.Module):
@@ -96,11 +101,14 @@ def load_offloaded(folder, package, *, expert_memory_gib: Optional[float] = None
 
     folder = Path(folder)
     values, source = read_config(folder)
-    if values.get("quantization_config"):
-        raise ValueError(f"{source}: a quantized checkpoint ({values['quantization_config'].get('quant_method')}); "
-                         "load_offloaded reads unquantized shards: give the unquantized checkpoint (a quantized "
-                         "package quantizes its experts as they load)")
+    fmt = package.KERNELS.weight_format
+    quantized_checkpoint = bool(values.get("quantization_config"))
+    if quantized_checkpoint and not fmt.quantized:
+        raise ValueError(f"{source}: a quantized checkpoint ({values['quantization_config'].get('quant_method')}), "
+                         f"and this package's experts are unquantized: build the spec `moegen spec {folder}` writes "
+                         "(it carries the checkpoint's quantization)")
     config = transformers.AutoConfig.from_pretrained(folder)
+    config.__dict__.pop("quantization_config", None)  # moegen reads the quantized tensors, not transformers
     dtype = package.KERNELS.dtype
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -118,11 +126,14 @@ def load_offloaded(folder, package, *, expert_memory_gib: Optional[float] = None
         layer = OffloadedMoELayer(index, package, device)
         setattr(parent, child, layer)
         layers[f"model.layers.{layer_id}.{block_prefix}."] = layer
-    _load_non_experts(model, folder, layers, device)
+    _load_non_experts(model, folder, layers, device, fmt if quantized_checkpoint else None)
 
-    host = HostExperts.from_hf_checkpoint(folder)
-    if package.KERNELS.weight_format.quantized:
-        host = host.quantized(package.KERNELS.weight_format)
+    if quantized_checkpoint:
+        host = HostExperts.from_quantized_checkpoint(folder, fmt)
+    else:
+        host = HostExperts.from_hf_checkpoint(folder)
+        if fmt.quantized:
+            host = host.quantized(fmt)
     return _attach_runtime(model, package, plan, host, list(layers.values()), device, cap_prefetch_at_lru)
 
 
@@ -175,35 +186,79 @@ def _attach_runtime(model, package, plan: OffloadPlan, host: HostExperts, layers
     return model.eval()
 
 
-def _load_non_experts(model: torch.nn.Module, folder: Path, layers: dict, device: torch.device) -> None:
+def _load_non_experts(model: torch.nn.Module, folder: Path, layers: dict, device: torch.device,
+                      quantized: Optional[WeightFormat] = None) -> None:
     """Every tensor of the shards but the routed experts into the model: the MoE blocks' into
     their OffloadedMoELayer, the rest into the model's own (meta) parameters, on `device`.
-    Tensors the model does not have (an MTP head, a tied lm_head) are passed over."""
+    Tensors the model does not have (an MTP head, a tied lm_head) are passed over. In a quantized
+    checkpoint (its format `quantized`), the other linear layers stored quantized (attention,
+    shared experts) are dequantized as they load."""
     from safetensors import safe_open
 
     own = dict(model.named_parameters(remove_duplicate=False))
     targets = {prefix: layer.checkpoint_targets() for prefix, layer in layers.items()}
-    for path in sorted(folder.glob("*.safetensors")):
+    files = sorted(folder.glob("*.safetensors"))
+
+    def destination(key: str):
+        """(the tensor `key` fills, or None: passed over)."""
+        prefix = next((p for p in targets if key.startswith(p)), None)
+        if prefix is None:
+            return own[key] if key in own and own[key].is_meta else None
+        rest = key[len(prefix):]
+        if rest.startswith("experts."):
+            return None  # the host store has them
+        target = targets[prefix].get(rest)
+        if target is None:
+            raise ValueError(f"{folder}: {key}: a tensor of a MoE block that moegen's layer does not hold")
+        return target
+
+    def put(key: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+        if target.is_meta:
+            _assign(model, key, tensor.to(device=device, dtype=target.dtype))
+        else:
+            with torch.no_grad():
+                target.copy_(tensor)
+
+    linears = _quantized_linears(files) if quantized is not None else {}
+    pending: dict[str, dict] = {}  # a quantized linear's tensors read so far
+    for path in files:
         with safe_open(str(path), framework="pt") as shard:
             for key in shard.keys():
-                prefix = next((p for p in targets if key.startswith(p)), None)
-                if prefix is not None:
-                    rest = key[len(prefix):]
-                    if rest.startswith("experts."):
-                        continue  # the host store has them
-                    target = targets[prefix].get(rest)
-                    if target is None:
-                        raise ValueError(f"{path}: {key}: a tensor of a MoE block that moegen's layer does not hold")
-                    with torch.no_grad():
-                        target.copy_(shard.get_tensor(key))
-                elif key in own and own[key].is_meta:
-                    _assign(model, key, shard.get_tensor(key).to(device=device, dtype=own[key].dtype))
+                module, _, suffix = key.rpartition(".")
+                if suffix in linears.get(module, ()):
+                    target = destination(module + ".weight")
+                    if target is not None:
+                        parts = pending.setdefault(module, {})
+                        parts[suffix] = shard.get_tensor(key)
+                        if len(parts) == len(linears[module]):
+                            put(module + ".weight", dequantize_linear(pending.pop(module), quantized,
+                                                                      *target.shape, f"{path}: {module}"), target)
+                    continue
+                target = destination(key)
+                if target is not None:
+                    put(key, shard.get_tensor(key), target)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     _rebuild_meta_buffers(model, device)
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"{folder}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+
+
+def _quantized_linears(files) -> dict[str, set]:
+    """The modules of the shards stored in a quantized layout, but the routed experts: module ->
+    the suffixes of its weight's tensors (a bias loads as it is)."""
+    from safetensors import safe_open
+
+    modules: dict[str, set] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as shard:
+            for key in shard.keys():
+                module, _, suffix = key.rpartition(".")
+                if suffix != "bias":
+                    modules.setdefault(module, set()).add(suffix)
+    return {module: suffixes for module, suffixes in modules.items()
+            if infer_method(suffixes) is not None and not ROUTED_EXPERT.search(module + ".")}
 
 
 def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
