@@ -117,11 +117,23 @@ def measure(torch, model, device, new_tokens: int, prefill_tokens: int) -> dict:
     prompt = torch.randint(0, model.config.vocab_size, (1, prefill_tokens), generator=torch.Generator().manual_seed(9))
     prompt = prompt.to(device)
     with torch.no_grad():
-        model(prompt[:, :16])
+        model(prompt)  # compiles the prompt's kernels
         row["prefill"] = prefill_tokens / timed(torch, device, lambda: model(prompt))
     runtime = getattr(model, "moegen_offload", None)
     row["hit_rate"] = runtime.stats.hit_rate if runtime else 1.0
+    row["logits"], row["greedy"] = agreement_probe(torch, model, device)
     return row
+
+
+def agreement_probe(torch, model, device):
+    """(float32 logits of a fixed prompt, its greedy continuation): the offloaded loads are compared
+    with the all-resident one (issue 80's item 5 at the published shapes, bf16)."""
+    prompt = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(11))
+    prompt = prompt.to(device)
+    with torch.no_grad():
+        logits = model(prompt).logits.float().cpu()
+        greedy = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False).cpu()
+    return logits, greedy
 
 
 def main(argv=None) -> int:
@@ -147,16 +159,22 @@ def main(argv=None) -> int:
     new_tokens, prefill_tokens = (2, 16) if smoke else (args.new_tokens, 2048)
     link = pinned_link_gbps() if device.type == "cuda" else float("nan")
     lines = ["| model | experts | budget | decode tok/s b1 | b8 | prefill tok/s | floor tok/s b1 | % of floor "
-             "| link time hidden | hit rate | MB moved/token | peak GPU GiB | peak host GiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| link time hidden | hit rate | MB moved/token | peak GPU GiB | peak host GiB | logits vs resident | greedy same |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     work = Path(tempfile.mkdtemp(prefix="moegen-offload-model-"))
     try:
         for name in models:
             values = model_values(name, args.layers, smoke)
             folder = work / name
             save_checkpoint(values, folder, dtype)
+            if not args.skip_accelerate and not smoke:
+                bf16_experts = len(moe_layer_ids(values)) * 3 * experts_elements(values) * 2
+                gpu_bytes = checkpoint_bytes(folder) - bf16_experts + 0.5 * bf16_experts
+                lines.append(accelerate_row(torch, name, folder, device, new_tokens, gpu_bytes, "50%"))
+                lines.append(accelerate_row(torch, name, folder, device, new_tokens, None, "all on the GPU"))
+                print("\n".join(lines[-2:]), file=sys.stderr, flush=True)
             for experts in EXPERTS:
-                resident_s_per_token = None  # the same experts' all-resident time per token
+                resident = None  # the same experts' all-resident row
                 package = build_package(folder, experts, work, smoke)
                 m = package.SPEC.model
                 layers = len(moe_layer_ids(values))
@@ -165,33 +183,30 @@ def main(argv=None) -> int:
                     budget = max(share * all_bytes, layers * m.top_k * m.expert_bytes) / 2**30
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
+                    reset_peak_host_memory()
                     model = moegen.load_offloaded(folder, package, expert_memory_gib=budget * 1.0001, device=device,
                                                   prefetch="router")
                     model.generation_config.pad_token_id = 0
                     model.generation_config.eos_token_id = None  # random weights: decode every step
                     row = measure(torch, model, device, new_tokens, prefill_tokens)
-                    if share == 1.0:
-                        resident_s_per_token = 1 / row["decode1"]
+                    resident = resident or row
                     floor = "- | -"  # tok/s | % of floor; on the GPU, for the offloaded rows
-                    if resident_s_per_token and link == link and share < 1.0:
-                        floor_s = resident_s_per_token + row["bytes_per_token"] / (link * 1e9)
+                    if link == link and share < 1.0:
+                        floor_s = 1 / resident["decode1"] + row["bytes_per_token"] / (link * 1e9)
                         floor = f"{1 / floor_s:.1f} | {row['decode1'] * floor_s:.0%}"
                     link_s = row["bytes_per_token"] / (link * 1e9) if link == link else float("nan")
                     hidden = f"{1 - row['stall_per_token'] / link_s:.0%}" if link_s == link_s and link_s > 0 else "-"
                     gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-                    host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+                    host_peak = peak_host_gib()
                     lines.append(f"| {name} | {experts} | {share:.0%} ({budget:.2f} GiB) | {row['decode1']:.1f} "
                                  f"| {row['decode8']:.1f} | {row['prefill']:.0f} | {floor} | {hidden} "
                                  f"| {row['hit_rate']:.3f} | {row['bytes_per_token'] / 1e6:.1f} | {gpu_peak:.2f} "
-                                 f"| {host_peak:.2f} |")
+                                 f"| {host_peak:.2f} | {relative_error(row['logits'], resident['logits']):.1e} "
+                                 f"| {torch.equal(row['greedy'], resident['greedy'])} |")
                     print(lines[-1], file=sys.stderr, flush=True)
                     del model
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-            if not args.skip_accelerate and not smoke:
-                bf16_experts = len(moe_layer_ids(values)) * 3 * values_expert_elements(values) * 2
-                gpu_bytes = checkpoint_bytes(folder) - bf16_experts + 0.5 * bf16_experts
-                lines.append(accelerate_row(torch, name, folder, device, new_tokens, gpu_bytes))
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -205,12 +220,29 @@ def main(argv=None) -> int:
     return 0
 
 
-def values_expert_elements(values: dict) -> int:
-    """Elements of one routed expert's projection (H x I) from a config's values."""
+def reset_peak_host_memory() -> None:
+    """Start the process's peak resident memory (VmHWM) afresh, where Linux allows it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_host_gib() -> float:
+    """Peak resident host memory since the last reset (VmHWM; elsewhere the process's maximum)."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+        return int(line.split()[1]) / 2**20
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def experts_elements(values: dict) -> int:
+    """Elements of one projection (H x I) of all of a layer's routed experts, from a config's values."""
     from moegen.spec.from_hf import model_fields
 
     fields = model_fields(values)
-    return fields["hidden_size"] * fields["intermediate_size"]
+    return fields["num_experts"] * fields["hidden_size"] * fields["intermediate_size"]
 
 
 def checkpoint_bytes(folder: Path) -> int:
@@ -228,19 +260,27 @@ def checkpoint_bytes(folder: Path) -> int:
     return total
 
 
-def accelerate_row(torch, name: str, folder: Path, device, new_tokens: int, gpu_bytes: float) -> str:
-    """transformers with accelerate's offload (device_map="auto"), the GPU given the non-expert
-    weights and half the experts' bytes (the 50% budget): decode tokens/s at batch 1."""
+def accelerate_row(torch, name: str, folder: Path, device, new_tokens: int, gpu_bytes, budget: str) -> str:
+    """transformers' own experts: with accelerate's offload (device_map="auto") when the GPU is given
+    gpu_bytes (the non-expert weights and half the experts' bytes: the 50% budget), else all on
+    the GPU. Decode tokens/s at batch 1 (and 8 on the GPU)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, device_map="auto", max_memory={0: int(gpu_bytes), "cpu": "110GiB"})
+    placement = (dict(device_map="auto", max_memory={0: int(gpu_bytes), "cpu": "110GiB"}) if gpu_bytes
+                 else dict(device_map=str(device)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **placement)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
     rate, _, _ = decode_rate(torch, model, device, 1, max(4, new_tokens // 4))
+    rate8 = f"{decode_rate(torch, model, device, 8, new_tokens)[0]:.1f}" if not gpu_bytes else "-"
     del model
     torch.cuda.empty_cache()
-    return (f"| {name} | accelerate bf16 | 50% ({gpu_bytes / 2**30:.2f} GiB of GPU in all) | {rate:.2f} "
-            "| - | - | - | - | - | - | - | - | - |")
+    memory = f"{gpu_bytes / 2**30:.2f} GiB of GPU in all" if gpu_bytes else "experts resident"
+    return (f"| {name} | transformers bf16 | {budget} ({memory}) | {rate:.2f} | {rate8} "
+            "| - | - | - | - | - | - | - | - | - | - |")
+
+
+def relative_error(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ on the pool, as a CUDA graph per layer for decode-sized batches (after the per-l
 synchronization the GPU idles until the host has launched the step, so the step's launches are
 the latency); then the experts predicted for the layer `lookahead` ahead are prefetched on a
 side CUDA stream, ordered with events: a prefetch into a layer's pool waits for that layer's
-previous kernels, and the layer's next copies and kernels wait for its prefetches. The stall
+previous kernels, and the layer's next copies and kernels wait for its prefetches. A step with
+more distinct experts than slots (a prompt, a large batch) streams them through the pool in
+groups, each group's copies on the side stream while the group before computes. The stall
 (time the kernels waited for copies) is measured on the GPU by timing events around the waits.
 """
 from __future__ import annotations
