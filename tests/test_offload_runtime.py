@@ -89,6 +89,14 @@ def test_router_prefetch_brings_experts_in_before_their_layer(package_factory):
     stats = runtime.stats
     assert stats.prefetch_loads > 0 and stats.prefetch_hits > 0
     assert stats.bytes_moved == (stats.demand_loads + stats.prefetch_loads) * plan.expert_bytes
+    # The runtime stages each prediction before the layer's synchronization (so that the copies
+    # overlap the layer's kernels); staged or computed on the spot, it is the same.
+    predictor = engine.predictor
+    on_the_spot = predictor.predict(1, engine.context(x))
+    predictor.stage(1, x)
+    assert predictor.predict(1, engine.context(None)) == on_the_spot
+    predictor.stage(2, x)  # a staged prediction serves only its own layer
+    assert predictor.predict(1, engine.context(x)) == on_the_spot and predictor.predict(2, engine.context(None)) == []
 
 
 @pytest.mark.parametrize("layer,name,spoil,message", [

@@ -55,14 +55,30 @@ class RouterPredictor(Predictor):
 
     def __init__(self, routers: Sequence[torch.Tensor], top_k: int, candidates: int):
         self.routers, self.top_k, self.candidates = routers, top_k, candidates
+        self._staged: Optional[tuple] = None
+
+    def stage(self, layer: int, hidden: torch.Tensor) -> None:
+        """Queue the prediction for `layer` from `hidden` on the device now, ahead of the kernels
+        the caller launches next: predict() then reads it without waiting for them (computed in
+        predict(), it would wait for the layer's kernels, and the prefetch copies behind would
+        not overlap them)."""
+        self._staged = (layer, self._top(layer, hidden))
 
     def predict(self, layer, context):
-        if context.hidden is None:
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == layer:
+            top = staged[1]
+        elif context.hidden is None:
             return []
-        scores = torch.softmax((context.hidden @ self.routers[layer].T).float(), dim=-1).amax(dim=0)
-        top = scores.topk(min(self.candidates, scores.numel()))
+        else:
+            top = self._top(layer, context.hidden)
         return [(e, 0.95 if rank < self.top_k else p)
                 for rank, (e, p) in enumerate(zip(top.indices.tolist(), top.values.tolist()))]
+
+
+    def _top(self, layer: int, hidden: torch.Tensor):
+        scores = torch.softmax((hidden @ self.routers[layer].T).float(), dim=-1).amax(dim=0)
+        return scores.topk(min(self.candidates, scores.numel()))
 
 
 def runtime_predictor(mode: str, plan: OffloadPlan, routers: Optional[Sequence[torch.Tensor]] = None
@@ -197,7 +213,7 @@ class OffloadedMoE:
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """The layer's MoE output [T, H] for a routing chosen by the caller."""
-        ids = self._routing_on_host(layer, hidden_states, topk_weights, topk_ids)
+        ids = self._routing_on_host(layer, hidden_states, topk_weights, topk_ids, stage=True)
         if self._first_step:  # the first layers' prefetches, before anything was routed
             self._first_step = False
             for early in range(min(self.lookahead, self.plan.num_layers)):
@@ -212,10 +228,12 @@ class OffloadedMoE:
         self._prefetch((layer + self.lookahead) % self.plan.num_layers, hidden_states)
         return out
 
-    def _routing_on_host(self, layer, hidden_states, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> list:
+    def _routing_on_host(self, layer, hidden_states, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         stage: bool = False) -> list:
         """topk_ids as lists, after the per-layer host synchronization; the step's inputs checked
         first, before the cache policy sees anything: an id out of range would index another
-        expert's slot, or fail deep in the policy."""
+        expert's slot, or fail deep in the policy. With stage, a router predictor's prediction for
+        the layer this step prefetches for is queued before the synchronization."""
         try:
             in_range = 0 <= operator.index(layer) < self.plan.num_layers
         except TypeError:
@@ -228,6 +246,8 @@ class OffloadedMoE:
         fused._check("hidden_states", hidden_states, (tokens, h), self.kernels.dtype, self.device)
         fused._check("topk_ids", topk_ids, (tokens, k), fused.INTEGER, self.device)
         fused._check("topk_weights", topk_weights, (tokens, k), fused.FLOATING, self.device)
+        if stage and isinstance(self.engine.predictor, RouterPredictor):
+            self.engine.predictor.stage((layer + self.lookahead) % self.plan.num_layers, hidden_states)
         ids = topk_ids.tolist()  # the per-layer host synchronization
         wrong = next(((t, j) for t, token in enumerate(ids) for j, expert in enumerate(token)
                       if not 0 <= expert < e), None)
