@@ -5,7 +5,8 @@ folder with moegen.load_offloaded at expert budgets of 25% and 50% of the expert
 with bf16 and int4 experts; accelerate's offload (device_map="auto", the same GPU memory) is the
 anchor a Hugging Face user has today.
 
-Per row: greedy decode tokens/s at batch 1 and 8 (the time of N new tokens less that of 1),
+Per row: greedy decode tokens/s at batch 1 and 8 (at the median step after the prompt's; batch 1's
+fastest and slowest step beside it),
 prefill tokens/s of one 2048-token prompt, the decode floor (the bytes moved per token over the
 pinned host-to-device bandwidth measured here, plus the all-resident model's time per token), the
 share of the copies' link time the kernels did not wait for, hit rate, bytes moved per token, and
@@ -15,7 +16,8 @@ peak GPU and host memory against the budget.
     TRITON_INTERPRET=1 python tools/offload_model_bench.py --cpu-smoke   # the plumbing, tiny, on the CPU
 
 `--layers` (default 4) keeps each model within the GPU machine's disk and time: say so beside the
-figures. Prints a markdown table; with $OUT set, also writes it to $OUT/offload_model_bench.md.
+figures. Prints a markdown table; with $OUT set, also writes it to $OUT/offload_model_bench.md, and
+with --profile each row's torch profile of four batch-1 steps to $OUT/profile-<model>-<experts>-<budget>.txt.
 """
 from __future__ import annotations
 
@@ -87,33 +89,51 @@ def timed(torch, device, fn) -> float:
     return time.perf_counter() - start
 
 
-def decode_rate(torch, model, device, batch: int, new_tokens: int) -> tuple[float, float, float]:
-    """(greedy tokens/s, bytes copied per token, stall seconds per token) of `batch` sequences: the
-    generation of new_tokens less that of 1, so that the prompt's forward (and its copies) cancel."""
+class StepClock:
+    """A transformers streamer: the time, bytes copied and stall as each step's tokens arrive
+    (generate hands them over on the host, after the step)."""
+
+    def __init__(self, torch, runtime):
+        self.torch, self.runtime, self.marks = torch, runtime, []
+
+    def put(self, value) -> None:
+        if self.torch.cuda.is_available():
+            self.torch.cuda.synchronize()
+        counters = (self.runtime.stats.bytes_moved, self.runtime.stall_s) if self.runtime else (0, 0.0)
+        self.marks.append((time.perf_counter(), *counters))
+
+    def end(self) -> None:
+        pass
+
+
+def decode_rate(torch, model, device, batch: int, new_tokens: int) -> dict:
+    """Greedy decoding of `batch` sequences, per step after the first (which runs the prompt):
+    tokens/s at the median step, the steps' fastest and slowest ms, bytes copied and stall per token."""
     prompt = torch.randint(0, model.config.vocab_size, (batch, 32), generator=torch.Generator().manual_seed(batch))
     prompt = prompt.to(device)
     runtime = getattr(model, "moegen_offload", None)
 
-    def run(steps):
-        before = (runtime.stats.bytes_moved, runtime.stall_s) if runtime else (0, 0.0)
-        seconds = timed(torch, device, lambda: model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps,
-                                                              do_sample=False))
-        after = (runtime.stats.bytes_moved, runtime.stall_s) if runtime else (0, 0.0)
-        return seconds, after[0] - before[0], after[1] - before[1]
+    def run(steps) -> StepClock:
+        clock = StepClock(torch, runtime)
+        model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, streamer=clock)
+        return clock
 
     run(2)  # warm-up
-    one, many = run(1), run(new_tokens)
-    tokens = batch * (new_tokens - 1)
-    return (tokens / max(many[0] - one[0], 1e-9), (many[1] - one[1]) / tokens, (many[2] - one[2]) / tokens)
+    marks = run(new_tokens).marks[1:]  # from the first new token on
+    steps = sorted(b[0] - a[0] for a, b in zip(marks, marks[1:]))
+    tokens = batch * (len(marks) - 1)
+    return {"rate": batch / steps[len(steps) // 2], "step_ms": (1e3 * steps[0], 1e3 * steps[-1]),
+            "bytes": (marks[-1][1] - marks[0][1]) / tokens, "stall": (marks[-1][2] - marks[0][2]) / tokens}
 
 
 def measure(torch, model, device, new_tokens: int, prefill_tokens: int) -> dict:
     row = {}
     for batch in (1, 8):
-        rate, bytes_per_token, stall_per_token = decode_rate(torch, model, device, batch, new_tokens)
-        row[f"decode{batch}"] = rate
+        decode = decode_rate(torch, model, device, batch, new_tokens)
+        row[f"decode{batch}"] = decode["rate"]
         if batch == 1:
-            row["bytes_per_token"], row["stall_per_token"] = bytes_per_token, stall_per_token
+            row["bytes_per_token"], row["stall_per_token"] = decode["bytes"], decode["stall"]
+            row["step_ms"] = decode["step_ms"]
     prompt = torch.randint(0, model.config.vocab_size, (1, prefill_tokens), generator=torch.Generator().manual_seed(9))
     prompt = prompt.to(device)
     with torch.no_grad():
@@ -143,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-accelerate", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU, eager")
+    ap.add_argument("--profile", action="store_true", help="a torch profile of four batch-1 steps per row, to $OUT")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
     models = args.models.split(",") if args.models else list(MODELS[:1] if smoke else MODELS)
@@ -158,9 +179,9 @@ def main(argv=None) -> int:
     dtype = torch.float32 if smoke else torch.bfloat16
     new_tokens, prefill_tokens = (2, 16) if smoke else (args.new_tokens, 2048)
     link = pinned_link_gbps() if device.type == "cuda" else float("nan")
-    lines = ["| model | experts | budget | decode tok/s b1 | b8 | prefill tok/s | floor tok/s b1 | % of floor "
+    lines = ["| model | experts | budget | decode tok/s b1 | b1 step ms (min-max) | b8 | prefill tok/s | floor tok/s b1 | % of floor "
              "| link time hidden | hit rate | MB moved/token | peak GPU GiB | peak host GiB | logits vs resident | greedy same |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     work = Path(tempfile.mkdtemp(prefix="moegen-offload-model-"))
     try:
         for name in models:
@@ -199,11 +220,14 @@ def main(argv=None) -> int:
                     gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
                     host_peak = peak_host_gib()
                     lines.append(f"| {name} | {experts} | {share:.0%} ({budget:.2f} GiB) | {row['decode1']:.1f} "
-                                 f"| {row['decode8']:.1f} | {row['prefill']:.0f} | {floor} | {hidden} "
+                                 f"| {row['step_ms'][0]:.2f}-{row['step_ms'][1]:.2f} | {row['decode8']:.1f} | {row['prefill']:.0f} | {floor} | {hidden} "
                                  f"| {row['hit_rate']:.3f} | {row['bytes_per_token'] / 1e6:.1f} | {gpu_peak:.2f} "
                                  f"| {host_peak:.2f} | {relative_error(row['logits'], resident['logits']):.1e} "
                                  f"| {torch.equal(row['greedy'], resident['greedy'])} |")
                     print(lines[-1], file=sys.stderr, flush=True)
+                    if args.profile:
+                        profile(torch, model, device, Path(os.environ.get("OUT", "."))
+                                / f"profile-{name}-{experts}-{share:.0%}.txt")
                     del model
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -218,6 +242,18 @@ def main(argv=None) -> int:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "offload_model_bench.md").write_text("\n".join(header + lines) + "\n")
     return 0
+
+
+def profile(torch, model, device, path: Path) -> None:
+    """torch.profiler's tables (by host time, then by device time) of four greedy batch-1 steps."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1)).to(device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    table = prof.key_averages()
+    path.write_text(table.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
+                    + (table.table(sort_by="self_cuda_time_total", row_limit=20) if device.type == "cuda" else ""))
 
 
 def reset_peak_host_memory() -> None:
@@ -270,13 +306,13 @@ def accelerate_row(torch, name: str, folder: Path, device, new_tokens: int, gpu_
                  else dict(device_map=str(device)))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **placement)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
-    rate, _, _ = decode_rate(torch, model, device, 1, max(4, new_tokens // 4))
-    rate8 = f"{decode_rate(torch, model, device, 8, new_tokens)[0]:.1f}" if not gpu_bytes else "-"
+    one = decode_rate(torch, model, device, 1, max(4, new_tokens // 4))
+    rate8 = f"{decode_rate(torch, model, device, 8, new_tokens)['rate']:.1f}" if not gpu_bytes else "-"
     del model
     torch.cuda.empty_cache()
     memory = f"{gpu_bytes / 2**30:.2f} GiB of GPU in all" if gpu_bytes else "experts resident"
-    return (f"| {name} | transformers bf16 | {budget} ({memory}) | {rate:.2f} | {rate8} "
-            "| - | - | - | - | - | - | - | - | - | - |")
+    return (f"| {name} | transformers bf16 | {budget} ({memory}) | {one['rate']:.2f} "
+            f"| {one['step_ms'][0]:.2f}-{one['step_ms'][1]:.2f} | {rate8} | - | - | - | - | - | - | - | - | - | - |")
 
 
 def relative_error(a, b) -> float:
