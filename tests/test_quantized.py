@@ -211,7 +211,7 @@ def test_a_config_that_does_not_suit_the_format_is_refused(package_factory):
         fused_moe(int4, x, logits, s13["weight"], s2["weight"], config=narrow, **scale_arguments(s13, s2))
 
 
-GPU_T = (1, 7, 64, 1000, 4096)
+GPU_T = (1, 2, 4, 7, 64, 1000, 4096)  # 2 and 4: the decode kernel's batch tiles (1 takes its own path)
 
 
 @pytest.mark.gpu
