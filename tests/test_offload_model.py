@@ -13,6 +13,7 @@ import torch
 import moegen
 from moegen import reference as ref
 from moegen.errors import SpecError
+from moegen.quant.checkpoint import CheckpointError
 from moegen.runtime.hf import moe_block_slots
 from moegen.spec.from_hf import model_fields
 from test_hf_parity import MODELS, _randomized, _tiny_model, needs_transformers_5
@@ -97,6 +98,11 @@ def test_a_quantized_checkpoint_loads_as_stored(tmp_path, package_factory):
     weight = tensors.pop(f"{projection}.weight")
     save_file(tensors | quantized_tensors(projection, weight, fmt), shard, metadata={"format": "pt"})
 
+    fp8 = package_factory(**(model_fields(model.config.to_dict()) | {"dtype": "float32", "num_layers": 1,
+                                                                      "quantization": "fp8_block"}))
+    with pytest.raises(CheckpointError, match=r"model-\d+-of-\d+\.safetensors: model\.layers\.1\.self_attn\.q_proj"
+                                              r"\.weight: missing; float8_e4m3fn weights"):
+        moegen.load_offloaded(tmp_path / "int4", fp8, device=DEVICE)  # an int4 checkpoint, an fp8 package
     offloaded = moegen.load_offloaded(tmp_path / "int4", pkg, expert_memory_gib=_budget_gib(pkg, layers, 6),
                                       device=DEVICE)
     assert sorted(offloaded.moegen_offload.host.parts) == ["w13", "w13_scale", "w13_zero", "w2", "w2_scale",

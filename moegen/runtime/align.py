@@ -109,11 +109,11 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m:
         tail_row = max_padded + tail_block[sorted_expert] * tail_m + rank - rows
         destination = torch.where(rank < rows, destination, tail_row)
 
-    rows = aligned_rows(max_padded, block_m, tail_m)
-    sorted_slots = torch.full((rows + (skipped is not None),), num_slots, dtype=torch.int32, device=device)
+    layout_rows = aligned_rows(max_padded, block_m, tail_m)
+    sorted_slots = torch.full((layout_rows + (skipped is not None),), num_slots, dtype=torch.int32, device=device)
     if skipped is not None:
-        destination = destination.masked_fill(skipped, rows)  # the one row past the layout, cut off below
-    sorted_slots = sorted_slots.scatter_(0, destination, order.to(torch.int32))[:rows]
+        destination = destination.masked_fill(skipped, layout_rows)  # the one row past the layout, cut off below
+    sorted_slots = sorted_slots.scatter_(0, destination, order.to(torch.int32))[:layout_rows]
     block_start = torch.arange(0, max_padded, block_m, dtype=torch.int32, device=device)
     block_expert = torch.searchsorted(layout_end, block_start, right=True, out_int32=True).clamp_(max=num_experts - 1)
     if tails_first:

@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 
 from moegen.ir import lower
+from moegen.plan.offload import OffloadPlan, plan_offload
 from moegen.quant.checkpoint import dequantize_linear, infer_method
 from moegen.quant.formats import WeightFormat
-from moegen.plan.offload import OffloadPlan, plan_offload
 from moegen.runtime.host_experts import HostExperts
 from moegen.runtime.layer import Router, shared_experts_output
 from moegen.runtime.offload import OffloadedMoE
@@ -199,8 +199,8 @@ def _load_non_experts(model: torch.nn.Module, folder: Path, layers: dict, device
     targets = {prefix: layer.checkpoint_targets() for prefix, layer in layers.items()}
     files = sorted(folder.glob("*.safetensors"))
 
-    def destination(key: str):
-        """(the tensor `key` fills, or None: passed over)."""
+    def destination(key: str, path: Path):
+        """The tensor `key` (of the shard `path`) fills, or None: passed over."""
         prefix = next((p for p in targets if key.startswith(p)), None)
         if prefix is None:
             return own[key] if key in own and own[key].is_meta else None
@@ -209,7 +209,7 @@ def _load_non_experts(model: torch.nn.Module, folder: Path, layers: dict, device
             return None  # the host store has them
         target = targets[prefix].get(rest)
         if target is None:
-            raise ValueError(f"{folder}: {key}: a tensor of a MoE block that moegen's layer does not hold")
+            raise ValueError(f"{path}: {key}: a tensor of a MoE block that moegen's layer does not hold")
         return target
 
     def put(key: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
@@ -226,7 +226,7 @@ def _load_non_experts(model: torch.nn.Module, folder: Path, layers: dict, device
             for key in shard.keys():
                 module, _, suffix = key.rpartition(".")
                 if suffix in linears.get(module, ()):
-                    target = destination(module + ".weight")
+                    target = destination(module + ".weight", path)
                     if target is not None:
                         parts = pending.setdefault(module, {})
                         parts[suffix] = shard.get_tensor(key)
@@ -234,7 +234,7 @@ def _load_non_experts(model: torch.nn.Module, folder: Path, layers: dict, device
                             put(module + ".weight", dequantize_linear(pending.pop(module), quantized,
                                                                       *target.shape, f"{path}: {module}"), target)
                     continue
-                target = destination(key)
+                target = destination(key, path)
                 if target is not None:
                     put(key, shard.get_tensor(key), target)
     if getattr(model.config, "tie_word_embeddings", False):
