@@ -279,7 +279,9 @@ def test_torch_compile_traces_the_model_around_moegen_layers(family, model_class
 @pytest.mark.parametrize("family,model_class,config_class,config_fields", MODELS, ids=[m[0] for m in MODELS])
 def test_host_experts_read_a_saved_model(family, model_class, config_class, config_fields, tmp_path):
     """The offload runtime's pinned experts from a model folder as save_pretrained writes it
-    (config.json and safetensors shards): every MoE layer's experts, dense layers skipped."""
+    (config.json and safetensors shards): every MoE layer's experts, dense layers skipped; for a
+    quantized package, quantized as they are read."""
+    from moegen.quant.formats import WeightFormat
     from moegen.runtime.host_experts import HostExperts
 
     model, _ = _tiny_model(model_class, config_class, config_fields)
@@ -292,6 +294,13 @@ def test_host_experts_read_a_saved_model(family, model_class, config_class, conf
         assert torch.equal(host.w13[layer], block.experts.gate_up_proj.detach())
         assert torch.equal(host.w2[layer], block.experts.down_proj.detach())
     assert HostExperts.from_hf_checkpoint(tmp_path, num_layers=1).num_layers == 1
+    # A quantized package's experts, quantized one by one as they are read: the same bytes as
+    # quantizing the whole unquantized store.
+    fmt = WeightFormat("int4_group", 32, True, "float32")
+    read_quantized, quantized_after = HostExperts.from_hf_checkpoint(tmp_path, fmt=fmt), host.quantized(fmt)
+    assert sorted(read_quantized.parts) == sorted(quantized_after.parts)
+    assert all(torch.equal(a, b) for name in read_quantized.parts
+               for a, b in zip(read_quantized.parts[name], quantized_after.parts[name]))
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     (config_only / "config.json").write_text((tmp_path / "config.json").read_text())

@@ -92,12 +92,22 @@ class HostExperts:
         return cls(tuple(pinned(w13) for w13, _ in layers), tuple(pinned(w2) for _, w2 in layers))
 
     @classmethod
-    def from_hf_checkpoint(cls, folder: str | Path, num_layers: int | None = None) -> "HostExperts":
+    def from_hf_checkpoint(cls, folder: str | Path, num_layers: int | None = None, fmt=None) -> "HostExperts":
         """The routed experts of a Hugging Face model folder (config.json beside its safetensors
         shards) for every MoE layer, or the first num_layers of them, read as `moegen spec` reads
-        the config: its sizes and dtype, and which layers are MoE layers."""
+        the config: its sizes and dtype, and which layers are MoE layers. With `fmt` (a quantized
+        package's format) each expert is quantized as it is read, so that host memory never
+        holds the unquantized experts, only the quantized ones."""
         from moegen.spec.from_hf import model_fields, moe_layer_ids, read_config
 
+        if fmt is not None and fmt.quantized:
+            def quantized(tensors_of, names, hidden, inter):
+                gate, up, down = (_weight(*tensors_of(name), n, k) for name, n, k in
+                                  ((names[0], inter, hidden), (names[1], inter, hidden), (names[2], hidden, inter)))
+                stored = named_storage(quantize_w13(torch.cat((gate, up))[None], fmt), quantize(down[None], fmt))
+                return {name: value[0] for name, value in stored.items()}
+
+            return cls._expert_by_expert(folder, quantized, num_layers)
         values, source = read_config(Path(folder))
         model, layer_ids = model_fields(values, source), moe_layer_ids(values, source)[:num_layers]
         files = sorted(Path(folder).glob("*.safetensors"))
@@ -112,41 +122,55 @@ class HostExperts:
     def from_quantized_checkpoint(cls, folder: str | Path, fmt) -> "HostExperts":
         """The routed experts of a quantized Hugging Face model folder (fp8, AWQ, GPTQ or
         compressed-tensors per-expert tensors, moegen/quant/checkpoint.py) for every MoE layer,
-        repacked expert by expert into pinned buffers of the format `fmt` (the package's), read
-        through the shards' memory maps: the checkpoint is never held in pageable memory."""
+        repacked expert by expert into pinned buffers of the format `fmt` (the package's)."""
+        from moegen.quant.checkpoint import CheckpointError, infer_method, repack_expert
+
+        method = None
+
+        def repacked(tensors_of, names, hidden, inter):
+            nonlocal method
+            if method is None:
+                tensors, where = tensors_of(names[0])
+                method = infer_method(tensors)
+                if method is None:
+                    raise CheckpointError(f"{where}: tensors {sorted(tensors)}, not a layout moegen reads; expected "
+                                          "fp8, AWQ, GPTQ or compressed-tensors per-expert tensors")
+            return repack_expert(tensors_of, names, method, fmt, hidden, inter)
+
+        return cls._expert_by_expert(folder, repacked)
+
+    @classmethod
+    def _expert_by_expert(cls, folder: str | Path, storage_of, num_layers: int | None = None) -> "HostExperts":
+        """Every MoE layer's experts (or the first num_layers layers'), one expert at a time through
+        the shards' memory maps, as storage_of(tensors_of, projection names, hidden, inter) stores
+        them (by stored name, without the expert dimension; tensors_of(projection) -> ({suffix:
+        tensor}, its checkpoint name)), into pinned buffers made at each layer's first expert: the
+        checkpoint is never held in pageable memory."""
         from contextlib import ExitStack
 
         from safetensors import safe_open
 
-        from moegen.quant.checkpoint import CheckpointError, infer_method, repack_expert
         from moegen.spec.from_hf import model_fields, moe_layer_ids, read_config
 
         values, source = read_config(Path(folder))
-        model, layer_ids = model_fields(values, source), moe_layer_ids(values, source)
+        model, layer_ids = model_fields(values, source), moe_layer_ids(values, source)[:num_layers]
         files = sorted(Path(folder).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{folder}: no *.safetensors files beside config.json")
         expert_format, names = ((MIXTRAL_EXPERT, "mixtral") if values["model_type"] == "mixtral"
                                 else (LLAMA_EXPERT, "llama"))
-        names = PROJECTION_NAMES[names]
-        hidden, inter = model["hidden_size"], model["intermediate_size"]
+        names, experts = PROJECTION_NAMES[names], model["num_experts"]
         layers: dict[str, list] = {}
         with ExitStack() as stack:
-            by_module: dict[str, dict] = {}  # projection name -> {suffix: its shard}
+            by_module: dict[str, dict] = {}  # module name -> {suffix: its shard}
             for path in files:
                 shard = stack.enter_context(safe_open(str(path), framework="pt"))
                 for key in shard.keys():
                     module, _, suffix = key.rpartition(".")
                     by_module.setdefault(module, {})[suffix] = shard
-            first = expert_format.format(layer=layer_ids[0], expert=0) + names[0]
-            method = infer_method(by_module.get(first, {}))
-            if method is None:
-                raise CheckpointError(f"{source}: a quantized checkpoint whose expert {first} is not in a layout "
-                                      f"moegen reads (tensors {sorted(by_module.get(first, {}))}); expected fp8, AWQ, "
-                                      "GPTQ or compressed-tensors per-expert tensors")
             for layer in layer_ids:
                 stored: dict = {}
-                for e in range(model["num_experts"]):
+                for e in range(experts):
                     base = expert_format.format(layer=layer, expert=e)
 
                     def tensors_of(name):
@@ -154,9 +178,10 @@ class HostExperts:
                         return {suffix: shard.get_tensor(f"{base}{name}.{suffix}")
                                 for suffix, shard in shards.items()}, base + name
 
-                    for name, value in repack_expert(tensors_of, names, method, fmt, hidden, inter).items():
+                    for name, value in storage_of(tensors_of, names, model["hidden_size"],
+                                                  model["intermediate_size"]).items():
                         if name not in stored:
-                            stored[name] = _pinned_empty((model["num_experts"], *value.shape), value.dtype)
+                            stored[name] = _pinned_empty((experts, *value.shape), value.dtype)
                         stored[name][e].copy_(value)
                 for name, value in stored.items():
                     layers.setdefault(name, []).append(value)
@@ -195,3 +220,14 @@ class HostExperts:
             missing = sorted(wanted)[:3]
             raise KeyError(f"{len(wanted)} expert tensors not found in the checkpoint, e.g. {missing}")
         return host
+
+
+def _weight(tensors: dict, name: str, n: int, k: int) -> torch.Tensor:
+    """An unquantized projection's `weight` [n, k] among its checkpoint tensors."""
+    weight = tensors.get("weight")
+    if weight is None:
+        raise KeyError(f"{name}.weight: not found in the checkpoint")
+    if tuple(weight.shape) != (n, k):
+        raise ValueError(f"{name}.weight: expected shape {[n, k]}, got {list(weight.shape)}; the checkpoint does "
+                         "not fit the package's hidden and intermediate sizes")
+    return weight

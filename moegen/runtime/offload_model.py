@@ -130,10 +130,8 @@ def load_offloaded(folder, package, *, expert_memory_gib: Optional[float] = None
 
     if quantized_checkpoint:
         host = HostExperts.from_quantized_checkpoint(folder, fmt)
-    else:
-        host = HostExperts.from_hf_checkpoint(folder)
-        if fmt.quantized:
-            host = host.quantized(fmt)
+    else:  # a quantized package's experts quantized one by one as they are read
+        host = HostExperts.from_hf_checkpoint(folder, fmt=fmt)
     return _attach_runtime(model, package, plan, host, list(layers.values()), device, cap_prefetch_at_lru)
 
 
