@@ -622,18 +622,18 @@ SKIPPED_PICK = 2**31 - 1
 
 def fused_experts_on_slots(ks: KernelSet, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, *,
                            w13_scale=None, w2_scale=None, w13_zero=None, w2_zero=None,
-                           config: Optional[KernelConfig] = None) -> torch.Tensor:
+                           config: Optional[KernelConfig] = None, skipped_picks: bool = False) -> torch.Tensor:
     """The experts with weights from a slot pool ([S,2I,H], [S,H,I]; quantized: their storage
     and scales, slot first) and top-k given as slot indices: what the offload runtime runs,
-    without gathering weights into a per-step tensor. In batches of two tokens or more, picks
-    whose slot is SKIPPED_PICK add nothing (the runtime streams experts through the pool in
-    groups: each call takes one group's picks)."""
+    without gathering weights into a per-step tensor. With skipped_picks, in batches of two
+    tokens or more, picks whose slot is SKIPPED_PICK add nothing (the runtime streams experts
+    through the pool in groups: each call takes one group's picks)."""
     slots = w13_pool.shape[0]
     _check_inputs(ks, hidden_states, w13_pool, w2_pool, slots, names=("w13_pool", "w2_pool"), w13_scale=w13_scale,
                   w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
     _check_config(ks, config)
     return _experts(ks, hidden_states, topk_weights, slot_ids, w13_pool, w2_pool, slots, config,
-                    weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero), skips=hidden_states.shape[0] > 1)
+                    weight_scales(ks, w13_scale, w2_scale, w13_zero, w2_zero), skips=skipped_picks)
 
 
 def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, config, scales: WeightScales,

@@ -315,7 +315,8 @@ class OffloadedMoE:
         for g, group in enumerate(groups):
             self._wait_for_copies(landed, [] if self.on_gpu else loads[g])
             part = fused.fused_experts_on_slots(self.kernels, hidden_states, topk_weights, slot_tables[g][picks],
-                                                pool.parts["w13"], pool.parts["w2"], **self._scales(pool))
+                                                pool.parts["w13"], pool.parts["w2"], **self._scales(pool),
+                                                skipped_picks=True)
             out = part.float() if out is None else out.add_(part)
             reader.update((tables[g][e], g) for e in group)
             if self.on_gpu:
