@@ -108,6 +108,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
+    from moegen.bench.report import publish
+
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -145,9 +147,7 @@ def main(argv=None) -> int:
               f"random weights", "",
               f"- {'CPU smoke run (eager, tiny)' if smoke else torch.cuda.get_device_name()}; torch {torch.__version__}; "
               f"prompt {PROMPT_TOKENS} tokens, {new_tokens} greedy tokens, prefill excluded", ""]
-    print("\n".join(header + lines))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "e2e_bench.md").write_text("\n".join(header + lines) + "\n")
+    publish(header + lines, "e2e_bench.md")
     return 0
 
 

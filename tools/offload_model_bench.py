@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     import torch
 
     import moegen
+    from moegen.bench.report import publish
     from moegen.doctor import pinned_link_gbps
     from moegen.spec.from_hf import moe_layer_ids
 
@@ -238,9 +239,7 @@ def main(argv=None) -> int:
               f"- {'CPU smoke run (tiny, interpreter)' if smoke else torch.cuda.get_device_name()}; torch "
               f"{torch.__version__}; pinned host-to-device {link:.1f} GB/s (measured here); {new_tokens} greedy "
               f"tokens after a 32-token prompt; prefill one {prefill_tokens}-token prompt; prefetch: router", ""]
-    print("\n".join(header + lines))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "offload_model_bench.md").write_text("\n".join(header + lines) + "\n")
+    publish(header + lines, "offload_model_bench.md")
     return 0
 
 

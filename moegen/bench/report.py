@@ -2,12 +2,23 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Optional
 
 from moegen.bench.cells import REFERENCE_MAX_TOKENS, Measured, Row
 from moegen.bench.peers import IMPLS
 from moegen.bench.roofline import Ceilings
+
+
+def publish(lines: list[str], file_name: str) -> None:
+    """Print a report, and with $OUT set (the GPU machine's folder of results) write it there too."""
+    text = "\n".join(lines)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        Path(os.environ["OUT"], file_name).write_text(text + "\n")
 
 
 def fmt_us(us: float) -> str:
