@@ -4,6 +4,7 @@ same, for every family moegen reads (float32, tiny shapes; the kernels in the in
 CPU)."""
 from __future__ import annotations
 
+import copy
 import json
 import zlib
 
@@ -34,6 +35,13 @@ def _checkpoint(family: str, tmp_path, package_factory, **package_fields):
 
 def _budget_gib(pkg, layers: int, slots: int) -> float:
     return layers * slots * pkg.SPEC.model.expert_bytes / 2**30
+
+
+def _logits_error(offloaded, model, seed: int) -> float:
+    """Relative error of the offloaded model's logits against `model`'s on a random 5-token prompt."""
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    with torch.no_grad():
+        return ref.relative_error(offloaded(prompt).logits.double(), model(prompt).logits.double())
 
 
 @needs_transformers_5
@@ -68,12 +76,14 @@ def test_a_quantized_package_quantizes_the_experts_as_they_load(tmp_path, packag
     model, folder, pkg, layers = _checkpoint("qwen3_moe", tmp_path, package_factory, quantization="int4_group",
                                              quantization_group_size=32)
     offloaded = moegen.load_offloaded(folder, pkg, expert_memory_gib=_budget_gib(pkg, layers, 6), device=DEVICE)
-    assert sorted(offloaded.moegen_offload.host.parts) == ["w13", "w13_scale", "w2", "w2_scale"]
+    host = offloaded.moegen_offload.host
+    assert sorted(host.parts) == ["w13", "w13_scale", "w2", "w2_scale"]
+    # The same model offloaded from host memory: its experts quantized into the same bytes.
+    in_place = moegen.offload_model(copy.deepcopy(model).cpu(), pkg, expert_memory_gib=_budget_gib(pkg, layers, 6),
+                                    device=DEVICE).moegen_offload.host
+    assert all(torch.equal(a, b) for name in host.parts for a, b in zip(host.parts[name], in_place.parts[name]))
     assert moegen.replace_moe_blocks(model, pkg) == layers  # all resident, quantized as they load: the same bytes
-    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    with torch.no_grad():
-        error = ref.relative_error(offloaded(prompt).logits.double(), model(prompt).logits.double())
-    assert error <= TOLERANCE
+    assert _logits_error(offloaded, model, seed=4) <= TOLERANCE
 
 
 @needs_transformers_5
@@ -111,10 +121,7 @@ def test_a_quantized_checkpoint_loads_as_stored(tmp_path, package_factory):
     q_proj = model.get_submodule(projection)
     with torch.no_grad():
         q_proj.weight.copy_(dequantize(quantize(weight[None], fmt), fmt, *weight.shape)[0])
-    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    with torch.no_grad():
-        error = ref.relative_error(offloaded(prompt).logits.double(), model(prompt).logits.double())
-    assert error <= TOLERANCE
+    assert _logits_error(offloaded, model, seed=6) <= TOLERANCE
 
 
 @needs_transformers_5

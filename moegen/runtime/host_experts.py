@@ -58,19 +58,23 @@ class HostExperts:
     def quantized(self, fmt) -> "HostExperts":
         """These unquantized experts in a quantized format (moegen.quant.quantize), layer by
         layer and expert by expert into new pinned buffers."""
-        parts: dict[str, list] = {}
+        layers = []
         for w13, w2 in zip(self.w13, self.w2):
-            stored = {"w13": None, "w2": None}
+            stored: dict = {}
             for e in range(w13.shape[0]):
                 one = named_storage(quantize_w13(w13[e:e + 1], fmt), quantize(w2[e:e + 1], fmt))
                 for name, value in one.items():
-                    if stored.get(name) is None:
+                    if name not in stored:
                         stored[name] = _pinned_empty((w13.shape[0], *value.shape[1:]), value.dtype)
                     stored[name][e].copy_(value[0])
-            for name, value in stored.items():
-                parts.setdefault(name, []).append(value)
-        return HostExperts(tuple(parts.pop("w13")), tuple(parts.pop("w2")),
-                           {name: tuple(layers) for name, layers in parts.items()})
+            layers.append(stored)
+        return HostExperts.of_layers(layers)
+
+    @classmethod
+    def of_layers(cls, layers: Sequence[dict]) -> "HostExperts":
+        """The store of per-layer {stored name: tensor, expert first} (w13, w2 and any scales)."""
+        return cls(tuple(layer["w13"] for layer in layers), tuple(layer["w2"] for layer in layers),
+                   {name: tuple(layer[name] for layer in layers) for name in layers[0] if name not in ("w13", "w2")})
 
     @classmethod
     def empty(cls, num_layers: int, num_experts: int, hidden: int, inter: int, dtype) -> "HostExperts":
@@ -160,7 +164,7 @@ class HostExperts:
         expert_format, names = ((MIXTRAL_EXPERT, "mixtral") if values["model_type"] == "mixtral"
                                 else (LLAMA_EXPERT, "llama"))
         names, experts = PROJECTION_NAMES[names], model["num_experts"]
-        layers: dict[str, list] = {}
+        layers = []
         with ExitStack() as stack:
             by_module: dict[str, dict] = {}  # module name -> {suffix: its shard}
             for path in files:
@@ -183,10 +187,8 @@ class HostExperts:
                         if name not in stored:
                             stored[name] = _pinned_empty((experts, *value.shape), value.dtype)
                         stored[name][e].copy_(value)
-                for name, value in stored.items():
-                    layers.setdefault(name, []).append(value)
-        return cls(tuple(layers.pop("w13")), tuple(layers.pop("w2")),
-                   {name: tuple(per_layer) for name, per_layer in layers.items()})
+                layers.append(stored)
+        return cls.of_layers(layers)
 
     @classmethod
     def from_safetensors(cls, files: Iterable[str | Path], num_layers: int, num_experts: int, hidden: int,

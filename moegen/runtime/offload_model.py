@@ -149,15 +149,19 @@ def offload_model(model: torch.nn.Module, package, *, expert_memory_gib: Optiona
         raise ValueError(f"{type(model).__name__} has no MoE block moegen knows ({', '.join(BLOCK_CLASSES)})")
     plan = offload_plan_for(package, len(slots), expert_memory_gib, policy, prefetch)
     device = torch.device(device)
-    layers, w13s, w2s = [], [], []
+    fmt = package.KERNELS.weight_format
+    layers, stores = [], []
     for index, (parent, child) in enumerate(slots):
         block = getattr(parent, child)
         if block.experts.gate_up_proj.is_meta:
             raise ValueError(f"{type(model).__name__} is on the meta device (no weights): load it from its checkpoint "
                              "folder with moegen.load_offloaded")
-        pinned = HostExperts.from_tensors([(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())])
-        w13s.append(pinned.w13[0])
-        w2s.append(pinned.w2[0])
+        experts = (block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())
+        # Pinned as they are, or quantized straight into pinned buffers (no pinned copy of the
+        # unquantized experts on the way).
+        store = HostExperts((experts[0],), (experts[1],)).quantized(fmt) if fmt.quantized else \
+            HostExperts.from_tensors([experts])
+        stores.append({name: parts[0] for name, parts in store.parts.items()})
         layer = OffloadedMoELayer(index, package, device)
         state = block.state_dict()
         with torch.no_grad():
@@ -166,11 +170,8 @@ def offload_model(model: torch.nn.Module, package, *, expert_memory_gib: Optiona
         setattr(parent, child, layer)
         layers.append(layer)
         del block, state
-    host = HostExperts(tuple(w13s), tuple(w2s))
-    if package.KERNELS.weight_format.quantized:
-        host = host.quantized(package.KERNELS.weight_format)
     model.to(device)
-    return _attach_runtime(model, package, plan, host, layers, device, cap_prefetch_at_lru)
+    return _attach_runtime(model, package, plan, HostExperts.of_layers(stores), layers, device, cap_prefetch_at_lru)
 
 
 def _attach_runtime(model, package, plan: OffloadPlan, host: HostExperts, layers: list, device,
