@@ -261,6 +261,11 @@ def main(argv=None) -> int:
     except MoegenError as error:
         print(f"moegen: {error}" if error.exit_code != 2 else str(error), file=sys.stderr)
         return error.exit_code
+    except BrokenPipeError:
+        # The reader of the output left (`moegen simulate ... | head`): it has what it wanted. The
+        # rest goes nowhere, so that the interpreter's last flush does not fail on the pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as error:
         print(f"moegen: {error}; nothing already built was changed", file=sys.stderr)
         return 1

@@ -108,6 +108,21 @@ def test_plan_cli_prints_json(tmp_path):
     assert plan["offloaded"] is True and len(plan["slots_per_layer"]) == 58
 
 
+def test_a_reader_that_leaves_early_is_no_failure():
+    """`moegen plan ... | head`: the output's reader has gone before moegen writes (the pipe's
+    read end is closed), and moegen ends quietly with 0, not with an error about the pipe."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "moegen", "plan", str(REPO / "specs" / "deepseek-v3.yaml"),
+                                 "--json"], stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
 def test_plan_from_a_trace_profiles_pins_and_simulates(tmp_path):
     from moegen.plan.offload import plan_for_trace, trace_popularity
     from moegen.offload.trace import load_trace
