@@ -76,10 +76,13 @@ def _mock_descriptor(dtype, shape: list[int], block: list[int]):
 
 def _operands(ks, cfg, use_tma: bool):
     """(w13 for GEMM1; inter, w2 for GEMM2): dtypes, or mock descriptors shaped as the runtime's."""
+    import torch
+
     from moegen.runtime.fused import stored_dtype
 
-    if not use_tma:
-        return stored_dtype(ks, "weight"), (ks.dtype, stored_dtype(ks, "weight"))
+    if not use_tma:  # the intermediate as GEMM2 reads it: quantized first where the format says
+        inter = ks.dtype if ks.quantize_rows is None else torch.float8_e4m3fn
+        return stored_dtype(ks, "weight"), (inter, stored_dtype(ks, "weight"))
     h, i, e, d = ks.hidden_size, ks.intermediate_size, ks.num_experts, ks.dtype
     return (_mock_descriptor(d, [e, 2 * i, h], [1, cfg.block_n, cfg.block_k]),
             (_mock_descriptor(d, [1 << 20, i], [cfg.block_m, cfg.down_block_k]),
@@ -110,8 +113,8 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     ``launchers`` (on the GPU) their launchers as well."""
     import torch
 
-    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, decode_block_t, decode_routed_block_t,
-                                      dependent_launch,
+    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, QUANTIZE_ROWS_BLOCK, decode_block_t,
+                                      decode_routed_block_t, dependent_launch,
                                       down_launch, l2_evict_first, multi_route_launch, pdl_supported,
                                       single_route_launch, single_route_max_tokens, tma_possible, uses_decode,
                                       uses_tma)
@@ -125,6 +128,14 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
     single_max = single_route_max_tokens(ks.num_experts)
     compiled, previous = [], 0
+    # The GEMMs' activation rows (a pointer, and its scales where the format quantizes them first).
+    rows = (ks.dtype,)
+    if ks.quantize_rows is not None:
+        rows = (torch.float8_e4m3fn, torch.float32)
+        for width, slot_rows in ((ks.hidden_size, False), (ks.intermediate_size, True)):
+            compiled.append(ks.quantize_rows.warmup(
+                ks.dtype, torch.float8_e4m3fn, torch.float32, 1 << 20, torch.int32 if slot_rows else ks.dtype,
+                1 << 20, K_SIZE=width, BLOCK_R=QUANTIZE_ROWS_BLOCK, SLOT_ROWS=slot_rows, num_warps=4, grid=(1, 1)))
     for index, (bucket, cfg) in enumerate(zip(ks.buckets, ks.configs)):
         if previous < single_max:  # some of this bucket's batches are routed by one program
             for logits_dtype in logits_dtypes:
@@ -142,12 +153,12 @@ def compile_buckets(ks, launchers: bool = False) -> None:
         evict_first = l2_evict_first(ks, cfg, use_tma)
         w13, (inter, w2) = _operands(ks, cfg, use_tma)
         compiled.append(ks.gate_up.warmup(
-            ks.dtype, w13, *scales13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            *rows, w13, *scales13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
             USE_TMA=use_tma, L2_EVICT_FIRST=evict_first, **as_dependent, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, grid=(1,)))
         compiled.append(ks.down_reduce.warmup(
-            inter, ks.dtype, w2, *scales2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
+            inter, *rows, w2, *scales2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m,
             TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
             **as_dependent, **down_launch(cfg), grid=(1, 1)))

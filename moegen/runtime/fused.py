@@ -130,10 +130,14 @@ class KernelSet:
     weight_format: WeightFormat = WeightFormat()
     # The decode kernel for a routing chosen by the caller (fused_experts, the offload runtime).
     decode_routed: Optional[Callable] = None
+    # The pass that quantizes the GEMMs' activation rows once, where the weight format multiplies
+    # quantized activations (fp8): hidden states before GEMM1, the intermediate before GEMM2.
+    quantize_rows: Optional[Callable] = None
 
     def __post_init__(self):
         settle_cache_keys((self.route_align, self.route_count, self.route_place, self.gate_up,
-                           self.down_reduce, self.decode, self.decode_finish, self.decode_routed))
+                           self.down_reduce, self.decode, self.decode_finish, self.decode_routed,
+                           self.quantize_rows))
         if self.interpreted is None:
             from triton.runtime.interpreter import InterpretedFunction
 
@@ -417,7 +421,13 @@ def _run_experts(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, align
                         device=hidden_states.device)
     out = torch.empty((hidden_states.shape[0], ks.hidden_size), dtype=ks.dtype, device=hidden_states.device)
     weight_args = _weight_args(ks, cfg, w13, w2, inter, scales)
-    run = functools.partial(_gemms, ks, cfg, hidden_states, weights, aligned, weight_args, inter, out)
+    rows = _GemmRows(hidden_states, (), inter, None)
+    if ks.quantize_rows is not None:
+        x, x_scale = _quantized_rows_buffers(ks, hidden_states.shape[0], ks.hidden_size, hidden_states.device)
+        _quantize_rows(ks, hidden_states, x, x_scale)
+        rows = _GemmRows(x, (x_scale,), inter, _quantized_rows_buffers(ks, inter.shape[0], ks.intermediate_size,
+                                                                         inter.device))
+    run = functools.partial(_gemms, ks, cfg, rows, weights, aligned, weight_args, out)
     num_blocks = aligned.max_padded // cfg.block_m
     if cfg.streams == 1:
         run(0, num_blocks)
@@ -518,18 +528,57 @@ def l2_evict_first(ks: KernelSet, cfg: KernelConfig, use_tma: bool) -> bool:
     return cfg.l2_evict_first and use_tma and not ks.interpreted
 
 
-def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Alignment, wargs: _WeightArgs,
-           inter, out, first: int, end: int, stream=None, zeroed=None, wait_for=None):
+@dataclass(frozen=True)
+class _GemmRows:
+    """The GEMMs' activation rows: GEMM1's hidden states (quantized: and their scales), GEMM2's
+    intermediate as GEMM1 writes it, and, where the format quantizes it, the buffers its
+    quantized copy and scales go to (rows as the intermediate's)."""
+
+    hidden: torch.Tensor
+    hidden_scales: tuple
+    inter: torch.Tensor
+    inter_quantized: Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _quantized_rows_buffers(ks: KernelSet, num_rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn rows [num_rows, width] and their float32 scales: per group of 128 inputs
+    (fp8_block, [num_rows, groups]) or per row (fp8_channel, [num_rows, 1])."""
+    groups = _cdiv(width, 128) if ks.weight_format.quantization == "fp8_block" else 1
+    return (torch.empty((num_rows, width), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((num_rows, groups), dtype=torch.float32, device=device))
+
+
+# Rows per program of the quantizing pass.
+QUANTIZE_ROWS_BLOCK = 32
+
+
+def _quantize_rows(ks: KernelSet, src, dst, dst_scale, stream=None, slots=None, num_slots: int = 0) -> None:
+    """One pass: src's rows [R, K] quantized into dst (float8_e4m3fn) and dst_scale; given the
+    rows' slots (the intermediate's), only the rows whose slot is below num_slots."""
+    num_rows, width = src.shape
+    if num_rows == 0:
+        return
+    launch(ks.quantize_rows, (_cdiv(num_rows, QUANTIZE_ROWS_BLOCK), dst_scale.shape[1]), stream,
+           src, dst, dst_scale, num_rows, src if slots is None else slots, num_slots, K_SIZE=width,
+           BLOCK_R=QUANTIZE_ROWS_BLOCK, SLOT_ROWS=slots is not None, num_warps=4)
+
+
+def _gemms(ks: KernelSet, cfg: KernelConfig, rows: _GemmRows, weights, aligned: Alignment, wargs: _WeightArgs,
+           out, first: int, end: int, stream=None, zeroed=None, wait_for=None):
     """GEMM1 then GEMM2 over row blocks first .. end-1 on `stream` (None: the current one),
     which the kernels see as blocks 0 .. end-first-1 through shifted views. A range from block 0
     zeroes the output in GEMM1 (and records ``zeroed`` after it); another does not, and its
     GEMM2 waits for ``wait_for``."""
     if end == first:
         return
+    hidden_states, inter = rows.hidden, rows.inter
     num_tokens, h, i, bm = hidden_states.shape[0], ks.hidden_size, ks.intermediate_size, cfg.block_m
     sorted_slots, block_runs = aligned.sorted_slots, aligned.block_runs
+    inter_quantized = rows.inter_quantized
     if first:
         sorted_slots, block_runs, inter = sorted_slots[first * bm:], block_runs[first:], inter[first * bm:]
+        if inter_quantized:
+            inter_quantized = tuple(buffer[first * bm:] for buffer in inter_quantized)
     # The kernels find block b's tail rows at max_padded + b * TAIL_M of the layout they see: a
     # range not from block 0 passes the base its shifted view needs, and its first row, which
     # the kernels add to their blocks' rows before comparing them with the padded total.
@@ -537,7 +586,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
     dependent = dependent_launch(pdl_supported(hidden_states.device))
     inter_arg = _descriptor(inter, [bm, cfg.down_block_k]) if wargs.tma else inter
     launch(ks.gate_up, ((end - first) * _cdiv(i, cfg.block_n),), stream,
-           hidden_states, wargs.w13, *wargs.scales.w13, inter, out,
+           hidden_states, *rows.hidden_scales, wargs.w13, *wargs.scales.w13, inter, out,
            sorted_slots, block_runs, aligned.num_padded,
            num_tokens * ks.top_k, max_padded, 0 if first else num_tokens, first * bm,
            hidden_states.stride(0), *wargs.w13_strides, inter.stride(0),
@@ -546,10 +595,19 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, hidden_states, weights, aligned: Al
            L2_EVICT_FIRST=wargs.evict_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
     if zeroed is not None:
         zeroed.record(stream)
+    inter_scales = ()
+    if inter_quantized:
+        # This range's rows alone (its blocks', then their tail rows'): the other half's GEMM1
+        # may still be writing its own.
+        blocks, tails = (end - first) * bm, (end - first) * aligned.tail_m
+        for start, count in ((0, blocks), (max_padded, tails)):
+            _quantize_rows(ks, inter[start:start + count], *(buffer[start:start + count] for buffer in inter_quantized),
+                           stream, sorted_slots[start:start + count], num_tokens * ks.top_k)
+        inter_arg, inter, inter_scales = inter_quantized[0], inter_quantized[0], inter_quantized[1:]
     if wait_for is not None:
         stream.wait_event(wait_for)
     launch(ks.down_reduce, ((end - first) * _cdiv(h, cfg.down_block_n), cfg.split_k), stream,
-           inter_arg, inter, wargs.w2, *wargs.scales.w2, out, weights,
+           inter_arg, inter, *inter_scales, wargs.w2, *wargs.scales.w2, out, weights,
            sorted_slots, block_runs, aligned.num_padded,
            num_tokens * ks.top_k, max_padded, first * bm,
            inter.stride(0), *wargs.w2_strides, out.stride(0),
