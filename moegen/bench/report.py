@@ -74,7 +74,9 @@ def legend(ceilings: Ceilings, on_gpu: bool) -> list[str]:
         "x each one's stored bytes (3*H*I elements unquantized) + 2*T*H elements) / bandwidth, 6*T*k*H*I FLOPs / "
         f"GEMM rate (fp8 experts: the fp8 rate)), with the measured ceilings ({ceilings.hbm_gbps:.0f} GB/s, "
         f"{ceilings.gemm_dtype} {ceilings.gemm_tflops:.1f} TFLOP/s"
-        + (f", fp8 {ceilings.fp8_tflops:.1f}" if ceilings.fp8_tflops and on_gpu else "") + ")",
+        + (f", fp8 {ceilings.fp8_tflops:.1f}" if ceilings.fp8_tflops and on_gpu else "")
+        + (f", fp8 with fp8_block's scales {ceilings.fp8_block_tflops:.1f}" if ceilings.fp8_block_tflops and on_gpu
+           else "") + ")",
         "- read-only: memory-bound cells only, one launch of the fastest streaming read (a load-instruction "
         "kernel; on Hopper also a TMA reader) over exactly the floor's bytes, timed as moegen: what a kernel "
         "that does nothing but read them takes",

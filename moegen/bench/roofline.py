@@ -46,6 +46,9 @@ class Ceilings:
     gemm_tflops: float  # timed like the kernels: the floor's rate
     gemm_dtype: str
     fp8_tflops: float = 0.0  # an fp8 matmul's rate (fp8 experts' floor), where measured
+    # The same matmul with fp8_block's scales (activations per row and 128 inputs, weights per
+    # 128 x 128 block): the best library GEMM on that format's data, where torch has one.
+    fp8_block_tflops: float = 0.0
 
     @property
     def hbm_gbps(self) -> float:
@@ -60,7 +63,7 @@ def measure_ceilings(timer: Timer) -> Ceilings:
 
         copy_gbps, read_gbps, _, tflops = measure()
         torch.cuda.empty_cache()
-        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16", measure_fp8_tflops())
+        return Ceilings(copy_gbps, read_gbps, tflops, "bfloat16", measure_fp8_tflops(), measure_fp8_tflops(blocked=True))
     src = torch.ones(64 << 20, dtype=torch.uint8)
     t = timer.median_us(lambda: src.clone(), warmup=1, target_s=0.05)
     n = 256
@@ -93,19 +96,28 @@ def floor_of(topk_ids: torch.Tensor, hidden_size: int, intermediate_size: int, e
     return Floor(max(mem_s, flop_s) * 1e6, "memory" if mem_s >= flop_s else "compute", touched, nbytes)
 
 
-def measure_fp8_tflops() -> float:
+def measure_fp8_tflops(blocked: bool = False) -> float:
     """TFLOP/s of an 8192^3 fp8 (e4m3) matmul with float32 scales (torch._scaled_mm, cuBLAS) on
-    random data, timed as the kernels are; 0 where this GPU or torch has none."""
+    random data, timed as the kernels are: one scale per operand, or (blocked) fp8_block's, A's
+    per row and 128 inputs and B's per 128 x 128 block. 0 where this GPU or torch has none."""
     from moegen.tune.bench import time_call_evicted
 
-    try:
-        a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
-        b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS asks
-        one = torch.ones((), device="cuda")
-        us = time_call_evicted(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), on_gpu=True)
-    except (RuntimeError, TypeError):  # no fp8 tensor cores, or another _scaled_mm signature
-        return 0.0
-    return 2 * 8192 ** 3 / (us * 1e6)
+    n, groups = 8192, 8192 // 128
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS asks
+    one = torch.ones((), device="cuda")
+    # Blocked: the scales in either layout (cuBLAS asks for one; torch's checks name neither).
+    scales = [(torch.rand(groups, n, device="cuda").t(), torch.rand(groups, groups, device="cuda").t()),
+              (torch.rand(n, groups, device="cuda"), torch.rand(groups, groups, device="cuda"))] if blocked \
+        else [(one, one)]
+    for scale_a, scale_b in scales:
+        try:
+            us = time_call_evicted(lambda: torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16),
+                                   on_gpu=True)
+            return 2 * n ** 3 / (us * 1e6)
+        except (RuntimeError, TypeError, ValueError):  # no fp8 tensor cores, or another _scaled_mm signature
+            continue
+    return 0.0
 
 
 def whole_rows_numel(nbytes: int, element_size: int) -> int:
