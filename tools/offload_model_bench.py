@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                     print(lines[-1], file=sys.stderr, flush=True)
                     if args.profile:
                         profile(torch, model, device, Path(os.environ.get("OUT", "."))
-                                / f"profile-{name}-{experts}-{share:.0%}.txt")
+                                / f"profile-{name}-{experts}-{share * 100:.0f}pct.txt")
                     del model
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
