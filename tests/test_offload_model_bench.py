@@ -23,4 +23,4 @@ def test_cpu_smoke_offloads_every_budget_and_format(tmp_path):
     # Offloaded under every budget, the model computes as it does all-resident (float32 here).
     assert all(float(row[14]) <= 1e-4 and row[15] == "True" for row in rows)
     assert sorted(path.name for path in tmp_path.glob("profile-*.txt")) == sorted(
-        f"profile-mixtral-8x7b-{experts}-{budget}.txt" for experts, budget in budgets)
+        f"profile-mixtral-8x7b-{experts}-{budget.replace('%', 'pct')}.txt" for experts, budget in budgets)
