@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from moegen import knobs
-from moegen.quant.formats import WeightFormat, stored_name
+from moegen.quant.formats import FP8_BLOCK, WeightFormat, stored_name
 from moegen.runtime.align import Alignment, align_tokens, aligned_rows, expected_blocks, max_padded_slots
 from moegen.runtime.launch import launch
 from moegen.runtime.routing import RoutingParams
@@ -541,9 +541,9 @@ class _GemmRows:
 
 
 def _quantized_rows_buffers(ks: KernelSet, num_rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn rows [num_rows, width] and their float32 scales: per group of 128 inputs
-    (fp8_block, [num_rows, groups]) or per row (fp8_channel, [num_rows, 1])."""
-    groups = _cdiv(width, 128) if ks.weight_format.quantization == "fp8_block" else 1
+    """float8_e4m3fn rows [num_rows, width] and their float32 scales: per group of FP8_BLOCK
+    inputs (fp8_block, [num_rows, groups]) or per row (fp8_channel, [num_rows, 1])."""
+    groups = _cdiv(width, FP8_BLOCK) if ks.weight_format.quantization == "fp8_block" else 1
     return (torch.empty((num_rows, width), dtype=torch.float8_e4m3fn, device=device),
             torch.empty((num_rows, groups), dtype=torch.float32, device=device))
 
