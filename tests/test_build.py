@@ -445,27 +445,21 @@ def test_precompiled_launches_match_the_runtimes(package_factory, tma):
     from moegen.runtime import fused
 
     ks = pkg.KERNELS
-    names = ("route_align", "route_count", "route_place", "gate_up", "down_reduce", "decode", "decode_finish",
-             "decode_routed", "decode_split", "decode_routed_split", "decode_split_down")
-    capped = dict(down_max_registers=128)  # the largest bucket caps GEMM2's registers
+    names = ("route_align", "route_count", "route_place", "gate_up", "down_reduce", "decode", "decode_finish")
+    decode = dict(decode_block_n=16, decode_block_k=32, decode_block_h=32)  # the smallest bucket decodes
+    capped = dict(down_max_registers=128)  # and the largest caps GEMM2's registers
     last = len(ks.configs) - 1
+    recorded = dataclasses.replace(ks, **{name: Recorder(name, getattr(ks, name)) for name in names},
+                                   configs=tuple(dataclasses.replace(c, tma=tma, **(decode if i == 0 else {}),
+                                                                     **(capped if i == last else {}))
+                                                 for i, c in enumerate(ks.configs)))
     assert ks.buckets[1] <= fused.single_route_max_tokens(ks.num_experts) < ks.buckets[2]  # both routing paths too
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for split in (1, 2):  # the smallest bucket decodes in one launch, then split
-        decode = dict(decode_block_n=16, decode_block_k=32, decode_block_h=32, decode_split=split)
-        recorded = dataclasses.replace(ks, **{name: Recorder(name, getattr(ks, name)) for name in names},
-                                       configs=tuple(dataclasses.replace(c, tma=tma, **(decode if i == 0 else {}),
-                                                                         **(capped if i == last else {}))
-                                                     for i, c in enumerate(ks.configs)))
-        for tokens in ks.buckets:
-            inputs = (torch.randn(tokens, 40), separated_router_logits(tokens, ks.routing), torch.randn(6, 48, 40),
-                      torch.randn(6, 40, 24))
-            x, logits, w13, w2 = (t.to(device) for t in inputs)
-            fused.fused_moe(recorded, x, logits, w13, w2)
-            if tokens == 1:  # and routed by the caller
-                weights, ids = torch.tensor([[0.7, 0.3]], device=device), torch.tensor([[4, 1]], device=device)
-                fused.fused_experts(recorded, x, weights, ids.to(torch.int32), w13, w2)
-        compile_buckets(recorded)
+    for tokens in ks.buckets:
+        inputs = (torch.randn(tokens, 40), separated_router_logits(tokens, ks.routing), torch.randn(6, 48, 40),
+                  torch.randn(6, 40, 24))
+        fused.fused_moe(recorded, *(t.to(device) for t in inputs))
+    compile_buckets(recorded)
     token_dependent = 1 << 20
 
     def matches(run, warm) -> bool:

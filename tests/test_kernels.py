@@ -228,48 +228,6 @@ def test_decode_kernel(case, stagger_k, tma, package_factory):
         assert ref.relative_error(out, expected) <= TOLERANCE[pkg.SPEC.model.dtype]
 
 
-# (case, split): one token and batches up to DECODE_SPLIT_MAX_TOKENS, H = 72 and I = 136 in three
-# and nine steps (the last partial: splits of unequal length, a split past the last step), the
-# batch on one expert (idle expert programs), and a batch beyond the split's limit (the one-launch
-# kernel serves it).
-SPLIT_MATRIX = [
-    (Case("split_one_token", 1, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)), 2),
-    (Case("split_one_token_four_ways", 1, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12,
-                                                top_k=4)), 4),
-    (Case("split_batch", 3, dict(BASE, hidden_size=72, intermediate_size=136, num_experts=12, top_k=4)), 2),
-    (Case("split_batch_on_one_expert", 4, dict(BASE, num_experts=9, top_k=4), routing="one_expert"), 2),
-    (Case("split_grouped", 2, GROUPED), 2),
-    (Case("split_beyond_its_batches", 7, BASE), 2),
-]
-
-
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-@pytest.mark.parametrize("case,split", SPLIT_MATRIX, ids=lambda v: v.name if isinstance(v, Case) else f"x{v}")
-def test_split_decode(case, split, tma, package_factory, monkeypatch):
-    """The decode path split along K over two launches (decode_split): GEMM1's shares of H stored
-    as partial sums, then their sums, the activation and GEMM2's shares of I; routed by the
-    kernels and by the caller, twice (the workspaces serve the next call as they are left)."""
-    from dataclasses import replace
-
-    from moegen.runtime import fused, launch
-
-    pkg = package_factory(**case.model)
-    ks = pkg.KERNELS
-    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + tma)
-    config = replace(ks.config_for(case.tokens), tma=tma, decode_block_n=16, decode_block_k=32,
-                     decode_block_h=32, decode_num_warps=4, decode_num_stages=2, decode_split=split)
-    launched = []
-    real = launch.launch
-    monkeypatch.setattr(fused, "launch", lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k))[1])
-    for _ in range(2):
-        x, logits, w13, w2, bias = _inputs(case, pkg, generator)
-        _check_both_routings(pkg, x, logits, w13, w2, bias, config)
-    split_launches = [ks.decode_split, ks.decode_split_down, ks.decode_finish,
-                      ks.decode_routed_split, ks.decode_split_down, ks.decode_finish]
-    one_launch = [ks.decode, ks.decode_finish, ks.decode_routed, ks.decode_finish]
-    assert launched == 2 * (split_launches if case.tokens <= fused.DECODE_SPLIT_MAX_TOKENS else one_launch)
-
-
 @pytest.mark.parametrize("largest_bucket,tokens", [(1, 3), (4, 6), (4, 16), (4, 17)])
 def test_batches_beyond_the_largest_bucket(largest_bucket, tokens, package_factory):
     """A batch larger than every bucket runs the largest bucket's config (the one-launch decode

@@ -100,33 +100,6 @@ def _decode_operands(ks, cfg, use_tma: bool):
             _mock_descriptor(d, [e, h, i], [1, cfg.decode_block_h, cfg.decode_block_n]))
 
 
-def _split_decode(ks, cfg, w13, w2, scales13, scales2, decode, logits_dtypes, block_ts, routed_block_ts,
-                  decode_options) -> list:
-    """The split decode's kernels as the runtime launches them (fused._decode_launches)."""
-    import torch
-
-    from moegen.runtime.fused import dependent_launch
-
-    options = {k: v for k, v in decode_options.items() if k not in ("BLOCK_H", "STAGGER_K")}
-    buffers = (torch.float32, torch.int32, torch.float32)  # partial sums, picks, pick weights
-    strides = decode[1:2] + decode[3:6]  # num_tokens, stride_xm, w13's strides
-    compiled = []
-    for block_t in sorted(block_ts | routed_block_ts):
-        first = dict(options, BLOCK_T=block_t, SPLIT=cfg.decode_split)
-        if block_t in block_ts:
-            for logits_dtype in logits_dtypes:
-                compiled.append(ks.decode_split.warmup(logits_dtype, torch.float32, ks.dtype, w13, *scales13, *buffers,
-                                                       decode[1], decode[2], *decode[3:6], **first))
-        if block_t in routed_block_ts:
-            compiled.append(ks.decode_routed_split.warmup(torch.float32, torch.int32, ks.dtype, w13, *scales13,
-                                                          *buffers, *strides, **first))
-        down = {k: v for k, v in first.items() if k != "BLOCK_K"}
-        down.update(BLOCK_H=cfg.decode_block_h, **dependent_launch(options["USE_PDL"]))
-        compiled.append(ks.decode_split_down.warmup(*buffers, ks.dtype, w2, *scales2, torch.float32, *decode[6:8],
-                                                    **down))
-    return compiled
-
-
 def _with_launcher(compiled) -> None:
     """Build the host-side launcher of a compiled kernel too (Triton compiles one C module per
     argument signature, ~0.5 s, on a kernel's first launch) so that it lands in the same cache."""
@@ -140,8 +113,8 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     ``launchers`` (on the GPU) their launchers as well."""
     import torch
 
-    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, DECODE_SPLIT_MAX_TOKENS,
-                                      QUANTIZE_ROWS_BLOCK, decode_block_t, decode_routed_block_t, dependent_launch,
+    from moegen.runtime.fused import (DECODE_FINISH_BLOCK, DECODE_MAX_TOKENS, QUANTIZE_ROWS_BLOCK, decode_block_t,
+                                      decode_routed_block_t, dependent_launch,
                                       down_launch, l2_evict_first, multi_route_launch, pdl_supported,
                                       single_route_launch, single_route_max_tokens, tma_possible, uses_decode,
                                       uses_tma)
@@ -214,11 +187,6 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                     torch.float32, torch.int32, ks.dtype, w13, *scales13, w2, *scales2,
                     *decode[:2], *decode[3:],  # no logits stride
                     BLOCK_T=block_t, **decode_options))
-            if cfg.decode_split > 1:  # and the split decode, for the batches it serves
-                compiled += _split_decode(ks, cfg, w13, w2, scales13, scales2, decode, logits_dtypes,
-                                          {decode_block_t(ks, t) for t in tokens if t <= DECODE_SPLIT_MAX_TOKENS},
-                                          {decode_routed_block_t(ks, t) for t in own if t <= DECODE_SPLIT_MAX_TOKENS},
-                                          decode_options)
         previous = bucket
     if launchers:
         for kernel in compiled:

@@ -33,7 +33,6 @@ CAPPED_OTHER_REGISTERS = 48
 MAX_TILE = 1024
 MAX_STAGES = 16
 MAX_SPLIT_K = 64
-DECODE_SPLITS = (1, 2, 4, 8)  # KernelConfig.decode_split
 # Tail row counts a block may carry (the swapped MMA's narrow side: a power of two, >= 16).
 TAIL_ROWS = (16, 32, 64)
 # Row blocks per group: the divisors of RUN_WRAP, which a block's word keeps its rank in the
@@ -114,8 +113,6 @@ def malformed(c: KernelConfig) -> str | None:
         return "tails_first orders the runs with tail rows: it needs tail_m"
     if c.decode_stagger_k and not c.decode_block_n:
         return "decode_stagger_k staggers the decode kernel's walk: it needs decode_block_n"
-    if c.decode_split not in DECODE_SPLITS or (c.decode_split > 1 and not c.decode_block_n):
-        return f"decode_split {c.decode_split}: one of {DECODE_SPLITS}, above 1 only with decode_block_n"
     if c.l2_evict_first and not c.tma:
         return "l2_evict_first marks the tensor-descriptor copies: it needs tma"
     if c.group_m not in ROW_GROUPS:
@@ -170,9 +167,6 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
             return "decode accumulators exceed the register file"
         if c.decode_block_n > max(16, i) or c.decode_block_k > max(16, h) or c.decode_block_h > max(16, h):
             return "decode tile wider than the dimension it covers"
-        steps = min(-(-signature.hidden_size // c.decode_block_k), -(-signature.intermediate_size // c.decode_block_n))
-        if c.decode_split > steps:
-            return f"decode_split {c.decode_split} finer than one K step per split ({steps} steps)"
     return None
 
 

@@ -37,9 +37,6 @@ DECODE_MAX_TOKENS = 16
 EAGER_ONE_STREAM_MAX_TOKENS = DECODE_MAX_TOKENS
 # Elements one program of the decode finish (cast and re-zero the workspace) handles.
 DECODE_FINISH_BLOCK = 1024
-# The split decode (KernelConfig.decode_split) serves batches up to this size (larger ones in its
-# bucket take the one-launch kernel): its partial sums grow with tokens x experts x splits.
-DECODE_SPLIT_MAX_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -85,10 +82,6 @@ class KernelConfig:
     # The decode kernel's GEMM1 walk along H staggered between neighbouring programs, as its
     # GEMM2 walk always is: faster at one token for some shapes, level or slower for others.
     decode_stagger_k: bool = False
-    # Above 1: batches of at most DECODE_SPLIT_MAX_TOKENS take the decode path in two launches,
-    # each GEMM split this many ways along its K (GEMM1 along H, GEMM2 along I) for that many
-    # times the programs; GEMM1's partial sums pass through memory between them.
-    decode_split: int = 1
     # 2: the row blocks in two halves on two CUDA streams, each half GEMM1 then GEMM2, so that
     # one half's GEMM2 runs while the other's GEMM1 drains.
     streams: int = 1
@@ -101,7 +94,7 @@ class KernelConfig:
         """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma, _t32, _d...)."""
         decode = (f"_d{self.decode_block_n}k{self.decode_block_k}h{self.decode_block_h}"
                   f"w{self.decode_num_warps}s{self.decode_num_stages}" + ("z" if self.decode_stagger_k else "")
-                  + (f"x{self.decode_split}" if self.decode_split > 1 else "") if self.decode_block_n else "")
+                  if self.decode_block_n else "")
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
                 f"s{self.down_num_stages}x{self.split_k}" + ("_tma" if self.tma else "")
@@ -140,16 +133,11 @@ class KernelSet:
     # The pass that quantizes the GEMMs' activation rows once, where the weight format multiplies
     # quantized activations (fp8): hidden states before GEMM1, the intermediate before GEMM2.
     quantize_rows: Optional[Callable] = None
-    # The split decode's kernels (KernelConfig.decode_split): GEMM1's share routing itself or
-    # reading the caller's picks, then the sums, the activation and GEMM2's share.
-    decode_split: Optional[Callable] = None
-    decode_routed_split: Optional[Callable] = None
-    decode_split_down: Optional[Callable] = None
 
     def __post_init__(self):
         settle_cache_keys((self.route_align, self.route_count, self.route_place, self.gate_up,
                            self.down_reduce, self.decode, self.decode_finish, self.decode_routed,
-                           self.quantize_rows, self.decode_split, self.decode_routed_split, self.decode_split_down))
+                           self.quantize_rows))
         if self.interpreted is None:
             from triton.runtime.interpreter import InterpretedFunction
 
@@ -266,10 +254,6 @@ def decode_grid(num_tokens: int, top_k: int, num_experts: int, intermediate_size
 
 def uses_decode(cfg: KernelConfig, num_tokens: int) -> bool:
     return cfg.decode_block_n > 0 and num_tokens <= DECODE_MAX_TOKENS
-
-
-def uses_decode_split(cfg: KernelConfig, num_tokens: int) -> bool:
-    return cfg.decode_split > 1 and num_tokens <= DECODE_SPLIT_MAX_TOKENS
 
 
 def multi_route_launch(ks: KernelSet) -> tuple[dict, dict]:
@@ -795,28 +779,6 @@ def decode_workspace(hidden_size: int, device: torch.device) -> torch.Tensor:
     return work
 
 
-_split_workspaces: dict[torch.device, tuple] = {}
-
-
-def decode_split_workspace(device: torch.device, part_elements: int, programs: int) -> tuple:
-    """The split decode's buffers between its launches: GEMM1's partial sums (float32, at least
-    part_elements), each expert program's pick (expert, then a used flag per MMA row: int32
-    [programs, 17]) and row weights (float32 [programs, 16]). Every call writes what it reads, so
-    one per device, grown as needed, serves every call (in a CUDA graph too, as the decode
-    workspace)."""
-    cached = _split_workspaces.get(device)
-    if cached is not None and cached[0].numel() >= part_elements and cached[2].shape[0] >= programs:
-        return cached
-    part_elements = max(part_elements, cached[0].numel() if cached else 0)
-    programs = max(programs, cached[2].shape[0] if cached else 0)
-    buffers = (torch.empty(part_elements, dtype=torch.float32, device=device),
-               torch.empty((programs, 17), dtype=torch.int32, device=device),
-               torch.empty((programs, 16), dtype=torch.float32, device=device))
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _split_workspaces[device] = buffers
-    return buffers
-
-
 def decode_routed_block_t(ks: KernelSet, num_tokens: int) -> int:
     """Token rows of the routed decode kernel's pick tiles: the batch's bucket (or the batch) as a
     power of two, at most DECODE_MAX_TOKENS."""
@@ -827,9 +789,9 @@ def _decode_routed(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights
                    num_experts: int, scales: WeightScales):
     """The one-launch decode kernel on the caller's picks (num_experts: the weights' first
     dimension, the slots of an offload pool)."""
-    return _decode_launches(ks, cfg, (ks.decode_routed, ks.decode_routed_split),
-                            (topk_weights.contiguous(), topk_ids.contiguous()), (), num_experts,
-                            decode_routed_block_t(ks, hidden_states.shape[0]), hidden_states, w13, w2, scales)
+    return _decode_launches(ks, cfg, ks.decode_routed, (topk_weights.contiguous(), topk_ids.contiguous()), (),
+                            num_experts, decode_routed_block_t(ks, hidden_states.shape[0]), hidden_states, w13, w2,
+                            scales)
 
 
 def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2,
@@ -838,16 +800,14 @@ def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, corr
     # without a bias the kernel never reads the pointer: the workspace stands in
     bias = correction_bias.contiguous() if correction_bias is not None else \
         decode_workspace(ks.hidden_size, hidden_states.device)
-    return _decode_launches(ks, cfg, (ks.decode, ks.decode_split), (logits, bias), (logits.stride(0),),
-                            ks.num_experts, decode_block_t(ks, hidden_states.shape[0]), hidden_states, w13, w2,
-                            scales)
+    return _decode_launches(ks, cfg, ks.decode, (logits, bias), (logits.stride(0),), ks.num_experts,
+                            decode_block_t(ks, hidden_states.shape[0]), hidden_states, w13, w2, scales)
 
 
-def _decode_launches(ks: KernelSet, cfg: KernelConfig, kernels: tuple, routing: tuple, routing_strides: tuple,
+def _decode_launches(ks: KernelSet, cfg: KernelConfig, kernel, routing: tuple, routing_strides: tuple,
                      num_experts: int, block_t: int, hidden_states, w13, w2, scales: WeightScales):
     """A decode kernel (routing its tokens or reading the caller's picks: `routing`'s tensors
-    and strides lead its arguments; `kernels`: the one-launch kernel and the split's first), then
-    the finishing kernel that writes the output."""
+    and strides lead its arguments), then the finishing kernel that writes the output."""
     num_tokens, device = hidden_states.shape[0], hidden_states.device
     x, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
     work = decode_workspace(ks.hidden_size, device)
@@ -859,27 +819,13 @@ def _decode_launches(ks: KernelSet, cfg: KernelConfig, kernels: tuple, routing: 
     else:
         w13_arg, w2_arg = w13, w2
     pdl = pdl_supported(device)
-    grid = decode_grid(num_tokens, ks.top_k, num_experts, ks.intermediate_size, cfg.decode_block_n)
-    evict_first = l2_evict_first(ks, cfg, use_tma)
-    options = dict(BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
-                   num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
-    if uses_decode_split(cfg, num_tokens):
-        split = cfg.decode_split
-        parts, picks, pick_weights = decode_split_workspace(device, grid[0] * split * block_t * 2 * ks.intermediate_size,
-                                                            grid[0])
-        launch(kernels[1], (*grid, split), None,
-               *routing, x, w13_arg, *scales.w13, parts, picks, pick_weights,
-               num_tokens, *routing_strides, x.stride(0), w13.stride(0), w13.stride(1),
-               BLOCK_K=cfg.decode_block_k, SPLIT=split, USE_PDL=pdl, **options)
-        launch(ks.decode_split_down, (grid[0], _cdiv(ks.hidden_size, cfg.decode_block_h), split), None,
-               parts, picks, pick_weights, x, w2_arg, *scales.w2, work, w2.stride(0), w2.stride(1),
-               BLOCK_H=cfg.decode_block_h, SPLIT=split, **options, **dependent_launch(pdl))
-    else:
-        launch(kernels[0], grid, None,
-               *routing, x, w13_arg, *scales.w13, w2_arg, *scales.w2, work,
-               num_tokens, *routing_strides, x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-               BLOCK_K=cfg.decode_block_k, BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_PDL=pdl,
-               **options)
+    launch(kernel, decode_grid(num_tokens, ks.top_k, num_experts, ks.intermediate_size, cfg.decode_block_n), None,
+           *routing, x, w13_arg, *scales.w13, w2_arg, *scales.w2, work,
+           num_tokens, *routing_strides, x.stride(0), w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+           BLOCK_T=block_t, BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k,
+           BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
+           L2_EVICT_FIRST=l2_evict_first(ks, cfg, use_tma), USE_PDL=pdl,
+           num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
     launch(ks.decode_finish, (_cdiv(out.numel(), DECODE_FINISH_BLOCK),), None,
            work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))
     return out

@@ -361,9 +361,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 best, best_time = search.improve(best, best_time, decode)
                 stagger = space.stagger_candidates(best, ir.signature, gpu)
                 best, best_time = search.improve(best, best_time, stagger)
-                split = space.split_candidates(best, ir.signature, gpu, tokens)
-                best, best_time = search.improve(best, best_time, split)
-                tried += len(decode) + len(stagger) + len(split)
+                tried += len(decode) + len(stagger)
                 progress("decode kernel")
             evict = space.evict_candidates(best, ir.signature, gpu)
             if evict:

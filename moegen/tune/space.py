@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.plan.configs import (DECODE_SPLITS, TAIL_ROWS, clamp_tiles, default_config, descriptors_possible,
-                                 expects_tail_rows, fit_format, two_programs_register_cap, violation)
-from moegen.runtime.fused import DECODE_MAX_TOKENS, DECODE_SPLIT_MAX_TOKENS, KernelConfig
+from moegen.plan.configs import (TAIL_ROWS, clamp_tiles, default_config, descriptors_possible, expects_tail_rows,
+                                 fit_format, two_programs_register_cap, violation)
+from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
 # (block_n, block_k, num_warps, num_stages) of GEMM1, by regime: few rows per block (weights
@@ -153,17 +153,6 @@ def stagger_candidates(base: KernelConfig, signature: KernelSignature, target) -
     if not base.decode_block_n or base.decode_stagger_k:
         return []
     return _keep([replace(base, decode_stagger_k=True)], signature, target)
-
-
-def split_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
-    """A decode config split along K over two launches (decode_split), for buckets the split
-    serves: at one token the one-launch kernel runs one program per expert and slice of I, which
-    for few experts of few slices leaves SMs idle and each program one long walk along H."""
-    if not base.decode_block_n or tokens > DECODE_SPLIT_MAX_TOKENS:
-        return []
-    # The split walks H in order: a staggered twin would be the same config.
-    return _keep([replace(base, decode_split=s, decode_stagger_k=False) for s in DECODE_SPLITS if s > 1],
-                 signature, target)
 
 
 def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
