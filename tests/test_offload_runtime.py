@@ -69,6 +69,26 @@ def test_offloaded_output_equals_all_resident(package_factory, slots, predictor,
         assert runtime.stall_s > 0  # the steps waited for their demand copies (GPU: timed by events)
 
 
+@pytest.mark.parametrize("slots,pinned", [(6, ()), (4, (0, 3))], ids=["whole_layer", "pinned"])
+def test_experts_no_policy_evicts_are_copied_in_before_the_first_step(package_factory, slots, pinned):
+    """A pool that holds its whole layer is filled, and pinned experts are placed, as the runtime
+    starts: their first use is a hit, not a demand load that stalls the first tokens (a budget
+    that holds every expert then runs as the all-resident model from its first token)."""
+    pkg, plan, host, layers = _setup(package_factory, slots)
+    plan = replace(plan, pinned=(pinned,) * 3)
+    runtime = OffloadedMoE(pkg.KERNELS, plan, host, engine_for_plan(plan), device=DEVICE)
+    generator = torch.Generator().manual_seed(slots)
+    ids = torch.tensor([[0, 3]]).to(DEVICE)
+    for layer in range(3):
+        x = torch.randn(1, 40, generator=generator).to(DEVICE)
+        weights = torch.rand(1, 2, generator=generator).to(DEVICE)
+        out = runtime.forward(layer, x, weights, ids)
+        expected = fused.fused_experts(pkg.KERNELS, x, weights, ids, *[w.to(DEVICE) for w in layers[layer]])
+        assert ref.relative_error(out, expected) <= 1e-6
+    stats = runtime.stats
+    assert stats.accesses == stats.hits == 6 and stats.loads == 0
+
+
 def test_router_prefetch_brings_experts_in_before_their_layer(package_factory):
     """With a hidden state that changes little between layers (as in a real model), the next
     layer's router predicts its experts: they are prefetched, found resident, and the output

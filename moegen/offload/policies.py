@@ -36,6 +36,7 @@ from moegen.offload.predictors import NeighborPredictor, Predictor, RouteContext
 
 DEMAND = "demand"
 PREFETCH = "prefetch"
+PRELOAD = "preload"
 
 
 class Load(NamedTuple):
@@ -45,7 +46,7 @@ class Load(NamedTuple):
     expert: int
     slot: int
     evicted: Optional[int]  # the expert that held the slot, None when the slot was free
-    kind: str  # DEMAND (needed now: copy, then compute) or PREFETCH (side stream, needed later)
+    kind: str  # DEMAND (needed now: copy, then compute), PREFETCH (side stream, needed later), PRELOAD
 
 
 class RouteResult(NamedTuple):
@@ -236,6 +237,19 @@ class OffloadPolicyEngine:
                 victim = victims.pop()
             loads.append(self._load(layer, e, victim, PREFETCH))
             protected.add(e)
+        return loads
+
+    def preload(self) -> list:
+        """[Load(kind=PRELOAD)] placing, before the first step, each layer's pinned experts and, in a
+        layer whose slots hold all its experts, every expert: experts no policy would ever evict,
+        which would otherwise come in as demand loads at their first use. Not counted in stats."""
+        loads = []
+        for layer, cache in enumerate(self.caches):
+            wanted = range(self.num_experts) if cache.slots >= self.num_experts else sorted(cache.pinned)
+            for expert in wanted:
+                if expert not in cache:
+                    slot, _ = cache.place(expert)
+                    loads.append(Load(layer, expert, slot, None, PRELOAD))
         return loads
 
     def _threshold(self, room: Optional[int]) -> float:

@@ -137,6 +137,10 @@ class OffloadedMoE:
         ]
         self.graphs = StepGraphs(self.device)
         self._first_step = True
+        # Pinned experts, and every expert of a layer whose pool holds them all, copied in now
+        # (stream-ordered before the first step) instead of as demand loads at their first use.
+        for load in engine.preload():
+            self._copy(load, None)
 
     @classmethod
     def from_plan(cls, kernels: fused.KernelSet, plan: OffloadPlan, host: HostExperts, *,
