@@ -515,13 +515,14 @@ QUANTIZED_VARIANTS = {  # the kernels of quantized experts, compiled and looked 
 
 
 def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, stream_tokens: int,
-                           undecoded_tokens: int) -> None:
+                           undecoded_tokens: int, decoded_tokens: int) -> None:
     """A tuning database whose entry for `tail_tokens` has tail rows on 32-row blocks (no
     cost-model default has them) and GEMM2's register cap, on two streams, whose entry for
-    `stream_tokens` runs two streams, and whose entry for `undecoded_tokens` does not decode."""
+    `stream_tokens` runs two streams, whose entry for `undecoded_tokens` does not decode, and
+    whose entry for `decoded_tokens` does (int4's defaults do not: the tuner may choose it)."""
     from dataclasses import replace
 
-    from moegen.plan.configs import default_config
+    from moegen.plan.configs import DECODE_DEFAULT, clamp_tiles, default_config, fit_format
     from moegen.render import kernel_templates
     from moegen.tune import db
 
@@ -530,22 +531,26 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
                     down_max_registers=128, streams=2, group_m=1)
     streams = replace(default_config(ir.signature, ir.target, stream_tokens), decode_block_n=0, streams=2)
     undecoded = replace(default_config(ir.signature, ir.target, undecoded_tokens), decode_block_n=0)
+    decoded = default_config(ir.signature, ir.target, decoded_tokens)
+    if not decoded.decode_block_n:
+        decoded = fit_format(clamp_tiles(replace(decoded, **DECODE_DEFAULT), ir.signature), ir.signature)
     metadata = db.current_metadata(ir.target.name, ir.signature, kernel_templates(ir.signature))
     db.save(directory, metadata, {tail_tokens: {"config": tails, "time_us": 1.0},
                                   stream_tokens: {"config": streams, "time_us": 1.0},
-                                  undecoded_tokens: {"config": undecoded, "time_us": 1.0}}, {})
+                                  undecoded_tokens: {"config": undecoded, "time_us": 1.0},
+                                  decoded_tokens: {"config": decoded, "time_us": 1.0}}, {})
 
 
 def _replay_launches(script: str, spec: str, tmp_path: Path, sm90_compile_env: dict) -> dict:
     """The JSON a replay script of tests/ prints for the runtime's launches of 64, 8, 1, 4 and 16
     tokens against the stand-in sm_90 driver: spec "tiny" (odd fp32 sizes), "grouped_bf16" or a
     quantized variant of either (QUANTIZED_VARIANTS), each with its 64-token bucket tuned to tail rows, it and the 16-token one on two streams, and
-    the 1-token one without the decode kernel."""
+    the 1-token one without the decode kernel, the 4-token one with it."""
     spec_file = TINY
     if spec in QUANTIZED_VARIANTS or spec == "grouped_bf16":
         spec_file = tmp_path / f"{spec}.yaml"
         spec_file.write_text(QUANTIZED_VARIANTS.get(spec, GROUPED_BF16))
-    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16, 1)
+    _tuned_beyond_defaults(spec_file, tmp_path / "tuned", 64, 16, 1, 4)
     env = dict(sm90_compile_env, MOEGEN_TUNED_CONFIG_DIR=str(tmp_path / "tuned"))
     result = subprocess.run([sys.executable, str(REPO / "tests" / script), str(spec_file), "64,8,1,4,16"],
                             env=env, capture_output=True, text=True, timeout=600)
