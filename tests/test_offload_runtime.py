@@ -13,7 +13,7 @@ from moegen.plan.offload import plan_offload
 from moegen.runtime import fused
 from moegen.runtime.host_experts import MIXTRAL_KEY, HostExperts
 from moegen.offload.engine import engine_for_plan
-from moegen.runtime.offload import OffloadedMoE, runtime_predictor
+from moegen.runtime.offload import OffloadedMoE, RouterPredictor, runtime_predictor
 from moegen.spec.schema import ModelSpec, OffloadSpec, Spec, TargetSpec, WorkloadSpec
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,6 +87,19 @@ def test_experts_no_policy_evicts_are_copied_in_before_the_first_step(package_fa
         assert ref.relative_error(out, expected) <= 1e-6
     stats = runtime.stats
     assert stats.accesses == stats.hits == 6 and stats.loads == 0
+
+
+def test_router_prediction_takes_hidden_states_in_another_dtype_than_its_router():
+    """A bf16 model whose routers run in float32 (DeepSeek-V2's spec, router_dtype float32): the
+    prediction multiplies in the router's dtype, as the layer's own routing does (it failed with a
+    dtype mismatch on the GPU)."""
+    routers = [torch.randn(6, 40, generator=torch.Generator().manual_seed(layer)) for layer in range(2)]
+    predictor = RouterPredictor(routers, top_k=2, candidates=4)
+    hidden = torch.randn(3, 40, generator=torch.Generator().manual_seed(9))
+    predictor.stage(1, hidden.to(torch.bfloat16))
+    staged = predictor.predict(1, None)
+    expected = torch.softmax(hidden.to(torch.bfloat16).float() @ routers[1].T, dim=-1).amax(dim=0).topk(4).indices
+    assert [e for e, _ in staged] == expected.tolist()
 
 
 def test_router_prefetch_brings_experts_in_before_their_layer(package_factory):

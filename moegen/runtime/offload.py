@@ -77,7 +77,8 @@ class RouterPredictor(Predictor):
 
 
     def _top(self, layer: int, hidden: torch.Tensor):
-        scores = torch.softmax((hidden @ self.routers[layer].T).float(), dim=-1).amax(dim=0)
+        router = self.routers[layer]  # in the spec's router dtype (DeepSeek's: float32), as the layer routes
+        scores = torch.softmax((hidden.to(router.dtype) @ router.T).float(), dim=-1).amax(dim=0)
         return scores.topk(min(self.candidates, scores.numel()))
 
 
