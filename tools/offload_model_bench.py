@@ -101,7 +101,7 @@ class StepClock:
         if self.torch.cuda.is_available():
             self.torch.cuda.synchronize()
         counters = (self.runtime.stats.bytes_moved, self.runtime.stall_s) if self.runtime else (0, 0.0)
-        self.marks.append((time.perf_counter(), *counters))
+        self.marks.append((time.perf_counter(), *counters, time.process_time()))
 
     def end(self) -> None:
         pass
@@ -121,6 +121,11 @@ def decode_rate(torch, model, device, batch: int, new_tokens: int) -> dict:
 
     run(2)  # warm-up
     marks = run(new_tokens).marks[1:]  # from the first new token on
+    in_order = [(1e3 * (b[0] - a[0]), 1e3 * (b[3] - a[3])) for a, b in zip(marks, marks[1:])]
+    # Each step's wall and process CPU ms, in order: slow steps with CPU time to match are host work
+    # (compiling, collecting), without it waits (PERFORMANCE.md: the first moegen row's slow steps).
+    print(f"batch {batch} steps, wall/CPU ms: " + " ".join(f"{w:.1f}/{c:.1f}" for w, c in in_order),
+          file=sys.stderr, flush=True)
     steps = sorted(b[0] - a[0] for a, b in zip(marks, marks[1:]))
     tokens = batch * (len(marks) - 1)
     return {"rate": batch / steps[len(steps) // 2], "step_ms": (1e3 * steps[0], 1e3 * steps[-1]),
