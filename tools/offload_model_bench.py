@@ -23,6 +23,7 @@ with --profile each row's torch profile of four batch-1 steps to $OUT/profile-<m
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -90,6 +91,23 @@ def timed(torch, device, fn) -> float:
     return time.perf_counter() - start
 
 
+class GcClock:
+    """Seconds the garbage collector has run in this process (gc.callbacks)."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._phase)
+
+    def _phase(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+GC_CLOCK = GcClock()
+
+
 class StepClock:
     """A transformers streamer: the time, bytes copied and stall as each step's tokens arrive
     (generate hands them over on the host, after the step)."""
@@ -101,7 +119,7 @@ class StepClock:
         if self.torch.cuda.is_available():
             self.torch.cuda.synchronize()
         counters = (self.runtime.stats.bytes_moved, self.runtime.stall_s) if self.runtime else (0, 0.0)
-        self.marks.append((time.perf_counter(), *counters, time.process_time()))
+        self.marks.append((time.perf_counter(), *counters, GC_CLOCK.seconds))
 
     def end(self) -> None:
         pass
@@ -122,9 +140,9 @@ def decode_rate(torch, model, device, batch: int, new_tokens: int) -> dict:
     run(2)  # warm-up
     marks = run(new_tokens).marks[1:]  # from the first new token on
     in_order = [(1e3 * (b[0] - a[0]), 1e3 * (b[3] - a[3])) for a, b in zip(marks, marks[1:])]
-    # Each step's wall and process CPU ms, in order: slow steps with CPU time to match are host work
-    # (compiling, collecting), without it waits (PERFORMANCE.md: the first moegen row's slow steps).
-    print(f"batch {batch} steps, wall/CPU ms: " + " ".join(f"{w:.1f}/{c:.1f}" for w, c in in_order),
+    # Each step's ms and the garbage collector's share of it, in order (PERFORMANCE.md: the slow
+    # batch-1 steps of a process's first rows; process CPU time told nothing: synchronize spins).
+    print(f"batch {batch} steps, ms/of which gc: " + " ".join(f"{w:.1f}/{c:.1f}" for w, c in in_order),
           file=sys.stderr, flush=True)
     steps = sorted(b[0] - a[0] for a, b in zip(marks, marks[1:]))
     tokens = batch * (len(marks) - 1)
