@@ -94,7 +94,7 @@ def main(spec: str, tokens: list[int]) -> dict:
     w2 = torch.randn(m.num_experts, m.hidden_size, m.intermediate_size).to(dtype)
     bias = torch.rand(m.num_experts) if m.correction_bias else None
     # Eager decode batches whose bucket runs the three-kernel path decode while the host paces
-    # the caller (fused_moe): every call replayed as host-paced and as not.
+    # the caller (fused_moe): every call replayed as host-paced and as not, and as fused_experts.
     fused._eager = lambda hidden_states: True
     fused._record_call_end = lambda device: None
     for current in tokens:
@@ -103,6 +103,11 @@ def main(spec: str, tokens: list[int]) -> dict:
         for paced in (True, False):
             fused._host_paced = lambda device, paced=paced: paced
             pkg.fused_moe(x, logits, w13, w2, correction_bias=bias)
+            # Callers who route themselves, with picks as routing gives them (float32 weights,
+            # int32 ids): the routed decode kernel, or the routing kernels laying out their picks.
+            weights = torch.rand(current, m.top_k)
+            ids = torch.randint(0, m.num_experts, (current, m.top_k), dtype=torch.int32)
+            pkg.fused_experts(x, weights, ids, w13, w2)
     return {"shipped": len(list((folder / precompile.CACHE_FOLDER).iterdir())), "launches": launches,
             "tail_row_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.tail_m],
             "two_stream_buckets": [b for b, c in zip(ks.buckets, ks.configs) if c.streams == 2],

@@ -394,6 +394,31 @@ def test_route_and_align_kernels(case, path, block_m, tail_m, tails_first, packa
     assert torch.allclose(flat_weights.gather(1, order.indices), ref_weights.cpu().gather(1, ref_order.indices), rtol=1e-5)
 
 
+@pytest.mark.parametrize("skips,pool", [(False, "all"), (True, "all"), (True, "fewer_slots")])
+@pytest.mark.parametrize("block_m,tail_m,tails_first", [(16, 0, False), (8, 4, True)], ids=["padded", "tails_first"])
+@pytest.mark.parametrize("path", ["single_program", "multi_program"])
+@pytest.mark.parametrize("case", ROUTING_CASES[:3] + ROUTING_CASES[-3:], ids=lambda c: c.name)
+def test_align_picks_kernels(case, path, block_m, tail_m, tails_first, skips, pool, package_factory, monkeypatch):
+    """The routing kernels lay out picks the caller chose (fused_experts, the offload runtime's
+    slots) as routed ones: int64 ids, about a third skipped (SKIPPED_PICK, placed nowhere) and
+    a pool of fewer slots than the spec's experts."""
+    from moegen.runtime import fused
+
+    monkeypatch.setattr(fused, "_route_align_override", lambda: 1 << 20 if path == "single_program" else 0)
+    ks = package_factory(**case.model).KERNELS
+    generator = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 2)
+    slots = ks.num_experts if pool == "all" else max(ks.top_k, ks.num_experts // 2)
+    ids = torch.stack([torch.randperm(slots, generator=generator)[:ks.top_k] for _ in range(case.tokens)])
+    expected = ids.reshape(-1).clone()
+    if skips:
+        skipped = torch.rand(ids.shape, generator=generator) < 1 / 3
+        ids = ids.masked_fill(skipped, fused.SKIPPED_PICK)
+        expected = expected.masked_fill(skipped.reshape(-1), -1)
+    weights = torch.rand(ids.numel(), generator=generator).to(DEVICE)
+    aligned = fused.align_picks(ks, ids.to(DEVICE), weights, block_m, tail_m, tails_first)
+    _check_layout(aligned, expected, ks.num_experts, block_m, tail_m, tails_first=tails_first)
+
+
 TILE_ROWS = (1, 2, 4, 8, 16)  # the routing tiles' token rows the runtime sizes
 
 

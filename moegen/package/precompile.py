@@ -137,15 +137,18 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                 ks.dtype, torch.float8_e4m3fn, torch.float32, 1 << 20, torch.int32 if slot_rows else ks.dtype,
                 1 << 20, K_SIZE=width, BLOCK_R=QUANTIZE_ROWS_BLOCK, SLOT_ROWS=slot_rows, num_warps=4, grid=(1, 1)))
     for index, (bucket, cfg) in enumerate(zip(ks.buckets, ks.configs)):
+        # Routed, with the logits in each dtype, and the picks of callers who route themselves
+        # (align_picks: float32 stand-ins for the pointers it does not read).
+        routings = [(dtype, True) for dtype in logits_dtypes] + [(torch.float32, False)]
         if previous < single_max:  # some of this bucket's batches are routed by one program
-            for logits_dtype in logits_dtypes:
+            for logits_dtype, routed in routings:
                 compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
-                                                      TAILS_FIRST=cfg.tails_first, **as_dependent,
+                                                      TAILS_FIRST=cfg.tails_first, ROUTE=routed, **as_dependent,
                                                       **single_route_launch(ks, bucket), grid=(1,)))
         if bucket > single_max:  # and some by the multi-program pair
-            for logits_dtype in logits_dtypes:
-                compiled.append(ks.route_count.warmup(logits_dtype, *count, **count_launch, **as_dependent,
-                                                      grid=(1,)))
+            for logits_dtype, routed in routings:
+                compiled.append(ks.route_count.warmup(logits_dtype, *count, ROUTE=routed, **count_launch,
+                                                      **as_dependent, grid=(1,)))
             compiled.append(ks.route_place.warmup(*place, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
                                                   TAILS_FIRST=cfg.tails_first, **place_launch, **as_dependent,
                                                   grid=(1,)))

@@ -704,22 +704,44 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
     cfg = config or ks.config_for(num_tokens)
     if uses_decode(cfg, num_tokens):
         return _decode_routed(ks, cfg, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, scales)
-    aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m, cfg.tails_first, skips)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    if num_experts <= ks.num_experts:  # what the routing kernels lay out (every pool of the offload runtime)
+        aligned = align_picks(ks, topk_ids, weights, cfg.block_m, cfg.tail_m, cfg.tails_first)
+    else:
+        aligned = align_tokens(topk_ids, num_experts, cfg.block_m, cfg.tail_m, cfg.group_m, cfg.tails_first, skips)
     return _run_experts(ks, cfg, hidden_states, weights, aligned, w13, w2, scales)
 
 
 def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int, tail_m: int = 0,
                     tails_first: bool = False):
     """(flat top-k weights [T*k] float32, Alignment) for router logits [T, E]."""
-    num_tokens, device = router_logits.shape[0], router_logits.device
-    num_slots = num_tokens * ks.top_k
-    max_padded = max_padded_slots(num_slots, ks.num_experts, block_m)
-    rows = aligned_rows(max_padded, block_m, tail_m)
+    num_slots, device = router_logits.shape[0] * ks.top_k, router_logits.device
     weights = torch.empty(num_slots, dtype=torch.float32, device=device)
     ids = torch.empty(num_slots, dtype=torch.int32, device=device)
     logits = router_logits.contiguous()
     bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
+    return weights, _align(ks, logits, bias, weights, ids, block_m, tail_m, tails_first, route=True)
+
+
+def align_picks(ks: KernelSet, topk_ids, weights, block_m: int, tail_m: int = 0,
+                tails_first: bool = False) -> Alignment:
+    """The Alignment of picks the caller chose ([T, k] ids below the spec's E; with skips, ids of
+    E and above are left out), laid out by the routing kernels as routed picks are: one launch at
+    decode sizes, where the tensor ops of align_tokens take ~20. weights (float32 [T*k]) only
+    stand in for the pointers the kernels do not read without routing."""
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    return _align(ks, weights, weights, weights, ids, block_m, tail_m, tails_first, route=False)
+
+
+def _align(ks: KernelSet, logits, bias, weights, ids, block_m: int, tail_m: int, tails_first: bool,
+           route: bool) -> Alignment:
+    """The routing kernels' launches: route (or read the picks in ids) and lay the slots out."""
+    num_slots, device = ids.numel(), ids.device
+    num_tokens = num_slots // ks.top_k
+    # Without routing the logits' stride is the routed call's, so that both share specializations.
+    stride = logits.stride(0) if route else ks.num_experts
+    max_padded = max_padded_slots(num_slots, ks.num_experts, block_m)
+    rows = aligned_rows(max_padded, block_m, tail_m)
     block_runs = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     dependent = dependent_launch(pdl_supported(device))
@@ -727,8 +749,8 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
         sorted_slots = torch.empty(rows, dtype=torch.int32, device=device)
         launch(ks.route_align, (1,), None,
                logits, bias, weights, ids, sorted_slots, block_runs, num_padded,
-               num_tokens, logits.stride(0), max_padded,
-               BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent,
+               num_tokens, stride, max_padded,
+               BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, ROUTE=route, **dependent,
                **single_route_launch(ks, num_tokens))
     else:
         count_launch, place_launch = multi_route_launch(ks)
@@ -739,12 +761,12 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
         counts, sorted_slots = counts_and_slots[:ks.num_experts], counts_and_slots[rows_at:]
         ranks = torch.empty(num_slots, dtype=torch.int32, device=device)
         launch(ks.route_count, (_cdiv(num_tokens, count_launch["BLOCK_T"]),), None,
-               logits, bias, weights, ids, ranks, counts, num_tokens, logits.stride(0), **dependent,
+               logits, bias, weights, ids, ranks, counts, num_tokens, stride, ROUTE=route, **dependent,
                **count_launch)
         launch(ks.route_place, (_cdiv(num_slots, place_launch["BLOCK_S"]),), None,
                ids, ranks, counts, sorted_slots, block_runs, num_padded, num_slots, max_padded,
                BLOCK_M=block_m, TAIL_M=tail_m, TAILS_FIRST=tails_first, **dependent, **place_launch)
-    return weights, Alignment(sorted_slots, block_runs, num_padded, max_padded, tail_m)
+    return Alignment(sorted_slots, block_runs, num_padded, max_padded, tail_m)
 
 
 @functools.lru_cache(maxsize=None)
