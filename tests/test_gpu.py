@@ -593,7 +593,7 @@ def test_count_kernel_routes_at_every_token_tile(name, package_factory):
         ranks = torch.empty(slots, dtype=torch.int32, device=DEVICE)
         counts = torch.full((p.num_experts,), slots, dtype=torch.int32, device=DEVICE)
         ks.route_count[(tokens // block_t,)](logits, weights if bias is None else bias, weights, ids, ranks, counts,
-                                             tokens, logits.stride(0), BLOCK_T=block_t, USE_PDL=False)
+                                             tokens, logits.stride(0), BLOCK_T=block_t, ROUTE=True, USE_PDL=False)
         # Picks in order of their choice score, as the reference ranks them.
         assert torch.equal(ids.view(tokens, p.top_k).long(), want_ids), f"{name} BLOCK_T={block_t}: experts"
         torch.testing.assert_close(weights.view(tokens, p.top_k).double(), want_weights, rtol=1e-5, atol=1e-6,
@@ -609,11 +609,11 @@ def test_count_kernel_routes_at_every_token_tile(name, package_factory):
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64], ids=str)
-def test_fused_experts_with_caller_routing(spec, ids_dtype, models):
+@pytest.mark.parametrize("tokens", [3, 97])  # the single-program alignment of picks (or the decode kernel), the pair's
+def test_fused_experts_with_caller_routing(spec, ids_dtype, tokens, models):
     model = models[spec]
     m = model.m
-    tokens = 97
-    g = torch.Generator().manual_seed(_seed("experts", spec, ids_dtype))
+    g = torch.Generator().manual_seed(_seed("experts", spec, ids_dtype, tokens))
     # k distinct experts per token, arbitrary positive weights (not normalized).
     ids = torch.rand(tokens, m.num_experts, generator=g).argsort(dim=1)[:, : m.top_k].to(ids_dtype).to(DEVICE)
     weights = (torch.rand(tokens, m.top_k, generator=g) + 0.1).to(DEVICE)
