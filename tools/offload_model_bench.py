@@ -144,9 +144,9 @@ def decode_rate(torch, model, device, batch: int, new_tokens: int) -> dict:
     # batch-1 steps of a process's first rows; process CPU time told nothing: synchronize spins).
     print(f"batch {batch} steps, ms/of which gc: " + " ".join(f"{w:.1f}/{c:.1f}" for w, c in in_order),
           file=sys.stderr, flush=True)
-    steps = sorted(b[0] - a[0] for a, b in zip(marks, marks[1:]))
+    steps = sorted(ms for ms, _ in in_order)
     tokens = batch * (len(marks) - 1)
-    return {"rate": batch / steps[len(steps) // 2], "step_ms": (1e3 * steps[0], 1e3 * steps[-1]),
+    return {"rate": 1e3 * batch / steps[len(steps) // 2], "step_ms": (steps[0], steps[-1]),
             "bytes": (marks[-1][1] - marks[0][1]) / tokens, "stall": (marks[-1][2] - marks[0][2]) / tokens}
 
 
