@@ -725,9 +725,9 @@ def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int,
 
 def align_picks(ks: KernelSet, topk_ids, weights, block_m: int, tail_m: int = 0,
                 tails_first: bool = False) -> Alignment:
-    """The Alignment of picks the caller chose ([T, k] ids below the spec's E; with skips, ids of
-    E and above are left out), laid out by the routing kernels as routed picks are: one launch at
-    decode sizes, where the tensor ops of align_tokens take ~20. weights (float32 [T*k]) only
+    """The Alignment of picks the caller chose ([T, k] ids below the spec's E; ids of E and above,
+    SKIPPED_PICK, are left out), laid out by the routing kernels as routed picks are: one launch
+    at decode sizes, where the tensor ops of align_tokens take ~20. weights (float32 [T*k]) only
     stand in for the pointers the kernels do not read without routing."""
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     return _align(ks, weights, weights, weights, ids, block_m, tail_m, tails_first, route=False)
