@@ -12,15 +12,17 @@ from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
 # (block_n, block_k, num_warps, num_stages) of GEMM1, by regime: few rows per block (weights
-# streamed, memory-bound), a middle one, many rows (compute-bound).
+# streamed, memory-bound), a middle one, many rows (compute-bound). The eight-warp row-block
+# tiles are for dequantizing formats at decode sizes, where programs are fewer than SMs and one
+# warp a scheduler leaves the dequantization's latencies bare.
 GATE_UP_MEMORY = ((32, 128, 4, 4), (64, 128, 4, 4), (64, 64, 4, 6), (128, 128, 4, 3), (32, 256, 4, 3),
-                  (64, 256, 4, 3), (128, 64, 4, 4))
+                  (64, 256, 4, 3), (128, 64, 4, 4), (64, 128, 8, 4), (32, 128, 8, 4))
 GATE_UP_MIDDLE = ((128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 4, 3))
 GATE_UP_COMPUTE = ((64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 3),
                    (64, 64, 8, 5), (128, 32, 4, 5))
 # (down_block_n, down_block_k, num_warps, num_stages, split_k) of GEMM2, by regime.
 DOWN_MEMORY = ((64, 128, 4, 4, 1), (32, 128, 4, 4, 1), (64, 128, 4, 4, 2), (32, 256, 4, 3, 2),
-               (128, 128, 4, 3, 1), (64, 64, 4, 6, 4), (32, 128, 4, 4, 4))
+               (128, 128, 4, 3, 1), (64, 64, 4, 6, 4), (32, 128, 4, 4, 4), (64, 128, 8, 4, 1))
 DOWN_MIDDLE = ((256, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 128, 4, 3, 1), (256, 64, 8, 3, 1))
 DOWN_COMPUTE = ((128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128, 128, 8, 3, 1),
                 (256, 64, 8, 3, 1), (64, 64, 4, 5, 1))
