@@ -126,6 +126,9 @@ def compile_buckets(ks, launchers: bool = False) -> None:
     count_launch, place_launch = multi_route_launch(ks)
     # Router logits come in the model's dtype (MoELayer) or float32: compile both.
     logits_dtypes = sorted({ks.dtype, torch.float32}, key=str)
+    # Routed, with the logits in each dtype, and the picks of callers who route themselves
+    # (align_picks: float32 stand-ins for the pointers it does not read).
+    routings = [(dtype, True) for dtype in logits_dtypes] + [(torch.float32, False)]
     single_max = single_route_max_tokens(ks.num_experts)
     compiled, previous = [], 0
     # The GEMMs' activation rows (a pointer, and its scales where the format quantizes them first).
@@ -137,9 +140,6 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                 ks.dtype, torch.float8_e4m3fn, torch.float32, 1 << 20, torch.int32 if slot_rows else ks.dtype,
                 1 << 20, K_SIZE=width, BLOCK_R=QUANTIZE_ROWS_BLOCK, SLOT_ROWS=slot_rows, num_warps=4, grid=(1, 1)))
     for index, (bucket, cfg) in enumerate(zip(ks.buckets, ks.configs)):
-        # Routed, with the logits in each dtype, and the picks of callers who route themselves
-        # (align_picks: float32 stand-ins for the pointers it does not read).
-        routings = [(dtype, True) for dtype in logits_dtypes] + [(torch.float32, False)]
         if previous < single_max:  # some of this bucket's batches are routed by one program
             for logits_dtype, routed in routings:
                 compiled.append(ks.route_align.warmup(logits_dtype, *route, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m,
