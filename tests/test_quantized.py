@@ -20,6 +20,7 @@ from moegen.quant.formats import WeightFormat, scale_arguments
 from moegen.runtime.fused import fused_moe
 from moegen.tune.space import decode_candidates
 from moegen.ir import lower
+import moegen.quant.quantize as quantize_module
 from moegen.quant.quantize import dequantize, dequantize_w13, pack_int4, quantize, quantize_w13, unpack_int4
 
 HAS_GPU = torch.cuda.is_available()
@@ -61,6 +62,17 @@ def test_quantize_round_trip_is_within_the_format_step(name):
         assert bool((error <= 0.5 * step * (1 + 1e-3) + 1e-7).all())
     else:
         assert ref.relative_error(dequantize(stored, fmt, 300, 200), w) < 0.04  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_a_few_experts_at_a_time_stores_what_all_at_once_does(name, monkeypatch):
+    fmt = _format(FORMATS[name], "float32")
+    w = torch.randn(5, 300, 200, generator=torch.Generator().manual_seed(_seed("chunks", name)))
+    whole = quantize(w, fmt)
+    monkeypatch.setattr(quantize_module, "QUANTIZE_CHUNK_ELEMENTS", 2 * 300 * 200)  # 2, 2, then 1
+    chunked = quantize(w, fmt)
+    assert chunked.keys() == whole.keys()
+    assert all(torch.equal(chunked[k], whole[k]) for k in whole)
 
 
 def test_int4_packing_puts_even_inputs_in_the_low_nibble():

@@ -11,6 +11,9 @@ import torch
 from moegen.quant.formats import FP8_BLOCK, FP8_MAX, INT4_SYMMETRIC_ZERO, WeightFormat, cdiv
 
 
+QUANTIZE_CHUNK_ELEMENTS = 1 << 27  # float32 elements quantized at once (512 MiB)
+
+
 def _blocks(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """w [E, N, K] zero-padded to whole blocks and viewed as [E, N/rows, rows, K/cols, cols]."""
     e, n, k = w.shape
@@ -35,6 +38,15 @@ def quantize(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
         raise ValueError(f"expected weights [experts, outputs, inputs], got shape {list(w.shape)}")
     if fmt.quantization == "none":
         return {"weight": w.detach().to(getattr(torch, fmt.dtype))}
+    # A few experts at a time: the float32 intermediates of a whole DeepSeek-V3 projection
+    # (256 x 2048 x 7168) would need several times its bytes on the GPU.
+    e, n, k = w.shape
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // max(1, n * k))
+    parts = [_quantize_experts(w[first:first + step], fmt) for first in range(0, e, step)]
+    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+
+def _quantize_experts(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
     w = w.detach().to(torch.float32)
     e, n, k = w.shape
     if fmt.quantization == "fp8_block":
