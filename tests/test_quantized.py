@@ -189,28 +189,31 @@ def test_quantized_kernels_match_the_reference_in_the_interpreter(fmt_name, dtyp
 
 
 @pytest.mark.parametrize("fmt_name", ["int4_g32", "int4_g64_zero", "int4_g128"])
-def test_int4_row_blocks_of_both_dequantizations_match_the_reference(fmt_name, package_factory):
-    """int4 kernels of small row blocks dequantize a byte's two weights in one register, larger
-    ones one weight at a time in float32 (weights_int4_group.jinja): the same batch through a
-    16-row and a 64-row config, each against the reference (16-bit models: the paired path
-    exists for them only)."""
+def test_int4_dequantizations_of_every_row_block_match_the_reference(fmt_name, package_factory):
+    """int4 kernels dequantize a byte's two weights in one register through PTX in small row
+    blocks, and in larger ones either the same steps in Triton ops (int4_pair_ops) or one weight
+    at a time in float32 (weights_int4_group.jinja; the interpreter runs the ops for the PTX):
+    the same batch through each, against the reference (16-bit models: the pairs exist for
+    them only)."""
+    from moegen.plan.configs import INT4_PTX_MAX_ROWS
+
     device, dtype = ("cuda", "bfloat16") if HAS_GPU else ("cpu", "float16")
     fields = FORMATS[fmt_name]
     pkg = package_factory(buckets=(1, 8, 64), dtype=dtype, router_dtype="float32", **CPU_SHAPES["int4"], **fields)
     ks, m = pkg.KERNELS, pkg.SPEC.model
     gate_up = importlib.import_module(ks.gate_up.fn.__module__)
-    assert 16 <= gate_up.INT4_PAIRED_MAX_ROWS.value < 64  # the two configs below take the two paths
+    assert gate_up.INT4_PTX_MAX_ROWS.value == INT4_PTX_MAX_ROWS and 16 <= INT4_PTX_MAX_ROWS < 64
     s13, s2, _ = _stored_experts(pkg, f"both dequantizations/{fmt_name}", device)
     g = torch.Generator().manual_seed(_seed("both dequantizations", fmt_name))
     x = torch.randn(40, m.hidden_size, generator=g).to(device=device, dtype=ks.dtype)
     logits = _logits(Case("random", 40, "random"), ks.routing, 40, g, device)
     weights, ids, _ = ref.route_reference(logits, ks.routing, None)
     expected = ref.quantized_experts_reference(x, weights, ids, s13, s2, ks.weight_format, m.activation)
-    for block_m in (16, 64):
+    for block_m, pair_ops in ((16, False), (64, False), (64, True)):
         config = replace(ks.config_for(40), block_m=block_m, tail_m=0, tail_split=False, tails_first=False,
-                         half_blocks=False, decode_block_n=0, streams=1)
+                         half_blocks=False, decode_block_n=0, streams=1, int4_pair_ops=pair_ops)
         out = fused_moe(ks, x, logits, s13["weight"], s2["weight"], config=config, **scale_arguments(s13, s2))
-        assert ref.relative_error(out, expected) < (1.5e-2 if HAS_GPU else 3e-3), f"{block_m}-row blocks"
+        assert ref.relative_error(out, expected) < (1.5e-2 if HAS_GPU else 3e-3), config.key
 
 
 def test_a_quantized_package_names_missing_or_foreign_scales(package_factory):

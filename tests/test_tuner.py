@@ -239,6 +239,31 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
     assert bool(tails_tried) == (tokens >= 512)
 
 
+@pytest.mark.parametrize("spec,dtype,tokens,offered", [
+    ("olmoe-1b-7b-int4", "bfloat16", 4096, True),    # 128-row blocks of int4 weights
+    ("mixtral-8x7b-int4", "float16", 512, True),     # zero points, fp16
+    ("olmoe-1b-7b-int4", "bfloat16", 1, False),      # 16-row blocks: the PTX pairs always
+    ("olmoe-1b-7b-int4", "float32", 4096, False),    # no 16-bit lanes to pair in
+    ("olmoe-1b-7b", "bfloat16", 4096, False),
+    ("qwen3-30b-a3b-fp8", "bfloat16", 4096, False),
+])
+def test_large_int4_row_blocks_try_the_other_dequantization(spec, dtype, tokens, offered):
+    """int4 configs of row blocks over the PTX pairs' rows also try the pairs in Triton ops (and
+    back); every other config refuses int4_pair_ops by name, and fit_format turns it off."""
+    from moegen.plan.configs import default_config, fit_format, violation
+    from moegen.tune import space
+
+    sig, gpu = replace(_signature(spec), dtype=dtype), _target("h200")
+    base = replace(default_config(sig, gpu, tokens), int4_pair_ops=False)
+    paired = replace(base, int4_pair_ops=True)
+    if offered:
+        assert space.pair_candidates(base, sig, gpu) == [paired] and violation(paired, sig, gpu) is None
+        assert space.pair_candidates(paired, sig, gpu) == [base] and paired.key == base.key + "_p"
+    else:
+        assert space.pair_candidates(base, sig, gpu) == []
+        assert "int4_pair_ops chooses" in violation(paired, sig, gpu) and fit_format(paired, sig) == base
+
+
 @pytest.mark.parametrize("down_block_n,down_num_warps,capped_tails", [(128, 8, {16, 32}), (256, 8, set()),
                                                                       (128, 4, set())])
 def test_tails_try_gemm2_capped_to_two_programs_per_sm(down_block_n, down_num_warps, capped_tails):

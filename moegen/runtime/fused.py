@@ -88,6 +88,10 @@ class KernelConfig:
     # With tma: every kernel's tensor-descriptor copies marked L2 evict-first (l2_hints), so that
     # the streamed weights leave L2 before the rows several programs share.
     l2_evict_first: bool = False
+    # int4_group in a 16-bit model, row blocks over INT4_PTX_MAX_ROWS: the GEMMs dequantize a
+    # byte's two weights at once in Triton ops instead of one at a time in float32 (faster for
+    # OLMoE's prefill, slower for Mixtral's at 512 tokens: measured, docs/PERFORMANCE.md).
+    int4_pair_ops: bool = False
 
     @property
     def key(self) -> str:
@@ -101,7 +105,8 @@ class KernelConfig:
                 + (f"_t{self.tail_m}" if self.tail_m else "") + ("s" if self.tail_split else "")
                 + ("f" if self.tails_first else "") + ("_h" if self.half_blocks else "")
                 + (f"_r{self.down_max_registers}" if self.down_max_registers else "")
-                + ("_2s" if self.streams == 2 else "") + ("_e" if self.l2_evict_first else "") + decode)
+                + ("_2s" if self.streams == 2 else "") + ("_e" if self.l2_evict_first else "")
+                + ("_p" if self.int4_pair_ops else "") + decode)
 
 
 @dataclass(frozen=True)
@@ -592,7 +597,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, rows: _GemmRows, weights, aligned: 
            hidden_states.stride(0), *wargs.w13_strides, inter.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
            TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=wargs.tma,
-           L2_EVICT_FIRST=wargs.evict_first, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
+           L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages, **dependent)
     if zeroed is not None:
         zeroed.record(stream)
     inter_scales = ()
@@ -613,7 +619,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, rows: _GemmRows, weights, aligned: 
            inter.stride(0), *wargs.w2_strides, out.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
            SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
-           USE_TMA=wargs.tma, L2_EVICT_FIRST=wargs.evict_first, **dependent, **down_launch(cfg))
+           USE_TMA=wargs.tma, L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, **dependent,
+           **down_launch(cfg))
 
 
 _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}

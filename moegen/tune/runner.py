@@ -327,6 +327,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 step, step_time = search.best_of(down)
                 tma = space.tma_candidates(step, ir.signature, gpu)
                 step, step_time = search.improve(step, step_time, tma)
+                pairs = space.pair_candidates(step, ir.signature, gpu)
+                step, step_time = search.improve(step, step_time, pairs)
                 # Tail rows per row block: they change which block size pads least.
                 tail = space.tail_candidates(step, ir.signature, gpu, tokens)
                 step, step_time = search.improve_as_judged(step, tail, samples)
@@ -337,7 +339,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 # The runs' order moves a call by less than the routing sample does: judged on all.
                 order = space.order_candidates(step, ir.signature, gpu)
                 step, step_time = search.improve_as_judged(step, order, samples)
-                tried += len(gate_up) + len(down) + len(tma) + len(tail) + len(group) + len(streams) + len(order)
+                tried += sum(map(len, (gate_up, down, tma, pairs, tail, group, streams, order)))
                 if step_time < three_kernel_time:
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:
