@@ -21,15 +21,23 @@ PUBLISHED = {path.stem: json.loads(path.read_text()) for path in sorted((SPECS /
 
 
 # Shipped specs of quantized experts: the published model's config with the quantization_config
-# of its checkpoints in that format (GPTQ's 4-bit groups of 128, symmetric).
-QUANTIZED_SPECS = {"-int4": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}}
+# of its checkpoints in that format.
+GPTQ_INT4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+AWQ_INT4 = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+QUANTIZED_SPECS = {
+    "qwen3-30b-a3b-int4": ("qwen3-30b-a3b", GPTQ_INT4),
+    "olmoe-1b-7b-int4": ("olmoe-1b-7b", GPTQ_INT4),
+    "mixtral-8x7b-int4": ("mixtral-8x7b", AWQ_INT4),
+    "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", FP8_BLOCKS),
+}
 
 
 def _quantized(spec_name: str) -> tuple[str, dict]:
     """(the published model a shipped spec is of, the quantization_config its spec adds: {} if none)."""
-    for suffix, quantization_config in QUANTIZED_SPECS.items():
-        if spec_name.endswith(suffix):
-            return spec_name.removesuffix(suffix), {"quantization_config": quantization_config}
+    if spec_name in QUANTIZED_SPECS:
+        model, quantization_config = QUANTIZED_SPECS[spec_name]
+        return model, {"quantization_config": quantization_config}
     return spec_name, {}
 
 

@@ -433,7 +433,7 @@ def stack_table(stacks: list[Stack]) -> list[str]:
     return out
 
 
-QUANTIZED_SUFFIXES = ("-int4", "-fp8")  # specs/untuned/<shipped>-int4.yaml, -fp8.yaml
+QUANTIZED_SUFFIXES = ("-int4", "-fp8")  # specs/<model>-int4.yaml, specs/untuned/<model>-fp8.yaml, ...
 
 
 def quantized_table(rows: list) -> list[str]:
