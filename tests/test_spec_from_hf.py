@@ -30,6 +30,7 @@ QUANTIZED_SPECS = {
     "olmoe-1b-7b-int4": ("olmoe-1b-7b", GPTQ_INT4),
     "mixtral-8x7b-int4": ("mixtral-8x7b", AWQ_INT4),
     "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", FP8_BLOCKS),
+    "deepseek-v3-fp8": ("deepseek-v3", FP8_BLOCKS),
 }
 
 
