@@ -1,6 +1,7 @@
 """tools/e2e_bench.py's plumbing on the CPU (`--cpu-smoke`: a two-layer toy of Mixtral's
-architecture through Triton's interpreter, eager): every variant generates, and moegen's
-unquantized blocks produce transformers' greedy tokens exactly."""
+architecture through Triton's interpreter, its decode step compiled by generate as on the GPU,
+fullgraph, without CUDA graphs): every variant generates, and moegen's unquantized blocks produce
+transformers' greedy tokens exactly."""
 from __future__ import annotations
 
 import pytest
