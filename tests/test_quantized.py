@@ -192,9 +192,9 @@ def test_quantized_kernels_match_the_reference_in_the_interpreter(fmt_name, dtyp
 def test_int4_dequantizations_of_every_row_block_match_the_reference(fmt_name, package_factory):
     """int4 kernels dequantize a byte's two weights in one register through PTX in small row
     blocks, and in larger ones either the same steps in Triton ops (int4_pair_ops) or one weight
-    at a time in float32 (weights_int4_group.jinja; the interpreter runs the ops for the PTX):
-    the same batch through each, against the reference (16-bit models: the pairs exist for
-    them only)."""
+    at a time in float32 (weights_int4_group.jinja; the interpreter runs the ops for the PTX),
+    each with its blocks multiplied as they are or swapped (int4_swapped): the same batch
+    through each, against the reference (16-bit models: the choices exist for them only)."""
     from moegen.plan.configs import INT4_PTX_MAX_ROWS
 
     device, dtype = ("cuda", "bfloat16") if HAS_GPU else ("cpu", "float16")
@@ -209,9 +209,11 @@ def test_int4_dequantizations_of_every_row_block_match_the_reference(fmt_name, p
     logits = _logits(Case("random", 40, "random"), ks.routing, 40, g, device)
     weights, ids, _ = ref.route_reference(logits, ks.routing, None)
     expected = ref.quantized_experts_reference(x, weights, ids, s13, s2, ks.weight_format, m.activation)
-    for block_m, pair_ops in ((16, False), (64, False), (64, True)):
+    for block_m, pair_ops, swapped in ((16, False, False), (64, False, False), (64, True, False), (64, False, True),
+                                       (64, True, True)):
         config = replace(ks.config_for(40), block_m=block_m, tail_m=0, tail_split=False, tails_first=False,
-                         half_blocks=False, decode_block_n=0, streams=1, int4_pair_ops=pair_ops)
+                         half_blocks=False, decode_block_n=0, streams=1, int4_pair_ops=pair_ops,
+                         int4_swapped=swapped)
         out = fused_moe(ks, x, logits, s13["weight"], s2["weight"], config=config, **scale_arguments(s13, s2))
         assert ref.relative_error(out, expected) < (1.5e-2 if HAS_GPU else 3e-3), config.key
 

@@ -247,21 +247,24 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
     ("olmoe-1b-7b", "bfloat16", 4096, False),
     ("qwen3-30b-a3b-fp8", "bfloat16", 4096, False),
 ])
-def test_large_int4_row_blocks_try_the_other_dequantization(spec, dtype, tokens, offered):
-    """int4 configs of row blocks over the PTX pairs' rows also try the pairs in Triton ops (and
-    back); every other config refuses int4_pair_ops by name, and fit_format turns it off."""
+@pytest.mark.parametrize("field,candidates,suffix", [("int4_pair_ops", "pair_candidates", "_p"),
+                                                     ("int4_swapped", "swap_candidates", "_w")])
+def test_large_int4_row_blocks_try_the_other_dequantization(spec, dtype, tokens, offered, field, candidates, suffix):
+    """int4 configs of row blocks over the PTX pairs' rows also try the pairs in Triton ops and
+    every block multiplied swapped (and back); every other config refuses both by name, and
+    fit_format turns them off."""
     from moegen.plan.configs import default_config, fit_format, violation
     from moegen.tune import space
 
     sig, gpu = replace(_signature(spec), dtype=dtype), _target("h200")
-    base = replace(default_config(sig, gpu, tokens), int4_pair_ops=False)
-    paired = replace(base, int4_pair_ops=True)
+    base = replace(default_config(sig, gpu, tokens), **{field: False})
+    other = replace(base, **{field: True})
     if offered:
-        assert space.pair_candidates(base, sig, gpu) == [paired] and violation(paired, sig, gpu) is None
-        assert space.pair_candidates(paired, sig, gpu) == [base] and paired.key == base.key + "_p"
+        assert getattr(space, candidates)(base, sig, gpu) == [other] and violation(other, sig, gpu) is None
+        assert getattr(space, candidates)(other, sig, gpu) == [base] and other.key == base.key + suffix
     else:
-        assert space.pair_candidates(base, sig, gpu) == []
-        assert "int4_pair_ops chooses" in violation(paired, sig, gpu) and fit_format(paired, sig) == base
+        assert getattr(space, candidates)(base, sig, gpu) == []
+        assert f"{field} chooses" in violation(other, sig, gpu) and fit_format(other, sig) == base
 
 
 @pytest.mark.parametrize("down_block_n,down_num_warps,capped_tails", [(128, 8, {16, 32}), (256, 8, set()),

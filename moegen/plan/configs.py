@@ -12,7 +12,8 @@ from moegen.quant.formats import FP8_BLOCK, WeightFormat
 # while the interpreter computes it right (PERFORMANCE.md).
 INT4_DECODE_MIN_N = 32
 # int4 kernels of row blocks of at most this many rows dequantize in pairs through PTX
-# (templates/weights_int4_group.jinja's INT4_PTX_MAX_ROWS); int4_pair_ops chooses for larger ones.
+# (templates/weights_int4_group.jinja's INT4_PTX_MAX_ROWS); int4_pair_ops and int4_swapped choose
+# for larger ones.
 INT4_PTX_MAX_ROWS = 32
 from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.align import RUN_WRAP
@@ -189,9 +190,10 @@ def format_violation(c: KernelConfig, fmt: WeightFormat) -> str | None:
         wrong = [f"{name} {value}" for name, value in steps.items() if value != FP8_BLOCK]
         if wrong:
             return f"fp8_block multiplies {FP8_BLOCK}-wide groups: {', '.join(wrong)} must be {FP8_BLOCK}"
-    if c.int4_pair_ops and not pair_ops_choice(c, fmt):
-        return (f"int4_pair_ops chooses how int4_group weights in a 16-bit model dequantize in row blocks over "
-                f"{INT4_PTX_MAX_ROWS} rows: off for {fmt.quantization} in {fmt.dtype} with block_m {c.block_m}")
+    for name in ("int4_pair_ops", "int4_swapped"):
+        if getattr(c, name) and not int4_large_blocks(c, fmt):
+            return (f"{name} chooses how int4_group weights in a 16-bit model are multiplied in row blocks over "
+                    f"{INT4_PTX_MAX_ROWS} rows: off for {fmt.quantization} in {fmt.dtype} with block_m {c.block_m}")
     if fmt.quantization == "int4_group" and 0 < c.decode_block_n < INT4_DECODE_MIN_N:
         return (f"int4_group decode slices of {c.decode_block_n} columns compute wrongly on the GPU (Triton 3.6): "
                 f"decode_block_n {INT4_DECODE_MIN_N} or more")
@@ -207,8 +209,8 @@ def fit_format(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
         c = replace(c, decode_block_n=0, decode_stagger_k=False)
     if fmt.quantization == "int4_group" and 0 < c.decode_block_n < INT4_DECODE_MIN_N:
         c = replace(c, decode_block_n=INT4_DECODE_MIN_N)
-    if c.int4_pair_ops and not pair_ops_choice(c, fmt):
-        c = replace(c, int4_pair_ops=False)
+    if not int4_large_blocks(c, fmt):
+        c = replace(c, int4_pair_ops=False, int4_swapped=False)
     if fmt.quantization == "fp8_block":
         c = replace(c, block_k=FP8_BLOCK, down_block_k=FP8_BLOCK)
         if c.decode_block_n:
@@ -216,9 +218,9 @@ def fit_format(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
     return c
 
 
-def pair_ops_choice(c: KernelConfig, fmt: WeightFormat) -> bool:
-    """Whether int4_pair_ops decides anything for the config: int4 weights of a 16-bit model in
-    row blocks too large for the PTX pairs."""
+def int4_large_blocks(c: KernelConfig, fmt: WeightFormat) -> bool:
+    """Whether int4_pair_ops and int4_swapped decide anything for the config: int4 weights of a
+    16-bit model in row blocks too large for the PTX pairs."""
     return fmt.quantization == "int4_group" and fmt.dtype in ("bfloat16", "float16") and c.block_m > INT4_PTX_MAX_ROWS
 
 

@@ -92,6 +92,11 @@ class KernelConfig:
     # byte's two weights at once in Triton ops instead of one at a time in float32 (faster for
     # OLMoE's prefill, slower for Mixtral's at 512 tokens: measured, docs/PERFORMANCE.md).
     int4_pair_ops: bool = False
+    # int4_group in a 16-bit model, row blocks over INT4_PTX_MAX_ROWS: every block multiplied
+    # swapped (weight tile @ rows^T, as tails and half blocks always are), so that the dequantized
+    # tile is the MMA's register operand, where otherwise it goes through shared memory and each
+    # K step waits for its MMA (PTX for sm_90).
+    int4_swapped: bool = False
 
     @property
     def key(self) -> str:
@@ -106,7 +111,7 @@ class KernelConfig:
                 + ("f" if self.tails_first else "") + ("_h" if self.half_blocks else "")
                 + (f"_r{self.down_max_registers}" if self.down_max_registers else "")
                 + ("_2s" if self.streams == 2 else "") + ("_e" if self.l2_evict_first else "")
-                + ("_p" if self.int4_pair_ops else "") + decode)
+                + ("_p" if self.int4_pair_ops else "") + ("_w" if self.int4_swapped else "") + decode)
 
 
 @dataclass(frozen=True)
@@ -597,7 +602,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, rows: _GemmRows, weights, aligned: 
            hidden_states.stride(0), *wargs.w13_strides, inter.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
            TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=wargs.tma,
-           L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, num_warps=cfg.num_warps,
+           L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, num_warps=cfg.num_warps,
            num_stages=cfg.num_stages, **dependent)
     if zeroed is not None:
         zeroed.record(stream)
@@ -619,7 +624,7 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, rows: _GemmRows, weights, aligned: 
            inter.stride(0), *wargs.w2_strides, out.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
            SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
-           USE_TMA=wargs.tma, L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, **dependent,
+           USE_TMA=wargs.tma, L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, **dependent,
            **down_launch(cfg))
 
 

@@ -329,6 +329,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 step, step_time = search.improve(step, step_time, tma)
                 pairs = space.pair_candidates(step, ir.signature, gpu)
                 step, step_time = search.improve(step, step_time, pairs)
+                swapped = space.swap_candidates(step, ir.signature, gpu)
+                step, step_time = search.improve(step, step_time, swapped)
                 # Tail rows per row block: they change which block size pads least.
                 tail = space.tail_candidates(step, ir.signature, gpu, tokens)
                 step, step_time = search.improve_as_judged(step, tail, samples)
@@ -339,7 +341,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 # The runs' order moves a call by less than the routing sample does: judged on all.
                 order = space.order_candidates(step, ir.signature, gpu)
                 step, step_time = search.improve_as_judged(step, order, samples)
-                tried += sum(map(len, (gate_up, down, tma, pairs, tail, group, streams, order)))
+                tried += sum(map(len, (gate_up, down, tma, pairs, swapped, tail, group, streams, order)))
                 if step_time < three_kernel_time:
                     three_kernel, three_kernel_time = step, step_time
                 if step_time < best_time:

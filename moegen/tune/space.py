@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from moegen.ir import KernelSignature
 from moegen.plan.configs import (TAIL_ROWS, clamp_tiles, default_config, descriptors_possible, expects_tail_rows,
-                                 fit_format, pair_ops_choice, two_programs_register_cap, violation)
+                                 fit_format, int4_large_blocks, two_programs_register_cap, violation)
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
@@ -91,9 +91,17 @@ def pair_candidates(base: KernelConfig, signature: KernelSignature, target) -> l
     """An int4 config of large row blocks with the other dequantization: a byte's two weights at
     once in Triton ops, or one at a time in float32 (the pairs 12-15% faster at OLMoE's prefill,
     7% slower at Mixtral's 512 tokens, measured)."""
-    if not pair_ops_choice(base, signature.weight_format):
+    if not int4_large_blocks(base, signature.weight_format):
         return []
     return _keep([replace(base, int4_pair_ops=not base.int4_pair_ops)], signature, target)
+
+
+def swap_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
+    """An int4 config of large row blocks with its blocks multiplied the other way round: swapped,
+    the dequantized weight tile the MMA's register operand (no trip through shared memory)."""
+    if not int4_large_blocks(base, signature.weight_format):
+        return []
+    return _keep([replace(base, int4_swapped=not base.int4_swapped)], signature, target)
 
 
 def tail_candidates(base: KernelConfig, signature: KernelSignature, target, tokens: int) -> list[KernelConfig]:
