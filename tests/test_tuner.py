@@ -249,7 +249,7 @@ def test_search_space_is_pruned_and_has_descriptor_twins(spec, tokens):
 ])
 @pytest.mark.parametrize("field,candidates,suffix", [("int4_pair_ops", "pair_candidates", "_p"),
                                                      ("int4_swapped", "swap_candidates", "_w")])
-def test_large_int4_row_blocks_try_the_other_dequantization(spec, dtype, tokens, offered, field, candidates, suffix):
+def test_large_int4_row_blocks_try_each_int4_option(spec, dtype, tokens, offered, field, candidates, suffix):
     """int4 configs of row blocks over the PTX pairs' rows also try the pairs in Triton ops and
     every block multiplied swapped (and back); every other config refuses both by name, and
     fit_format turns them off."""

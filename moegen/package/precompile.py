@@ -158,13 +158,15 @@ def compile_buckets(ks, launchers: bool = False) -> None:
         compiled.append(ks.gate_up.warmup(
             *rows, w13, *scales13, *gate_up, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m, TAIL_M=cfg.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
-            USE_TMA=use_tma, L2_EVICT_FIRST=evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, **as_dependent,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, grid=(1,)))
+            USE_TMA=use_tma, L2_EVICT_FIRST=evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops,
+            INT4_SWAPPED=cfg.int4_swapped, **as_dependent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            grid=(1,)))
         compiled.append(ks.down_reduce.warmup(
             inter, *rows, w2, *scales2, ks.dtype, *down, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
             BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m, SPLIT_K=cfg.split_k, TAIL_M=cfg.tail_m,
             TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
-            INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, **as_dependent, **down_launch(cfg), grid=(1, 1)))
+            INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, **as_dependent, **down_launch(cfg),
+            grid=(1, 1)))
         if cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
             w13, w2 = _decode_operands(ks, cfg, use_tma)
             decode_options = dict(BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k, BLOCK_H=cfg.decode_block_h,

@@ -602,8 +602,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, rows: _GemmRows, weights, aligned: 
            hidden_states.stride(0), *wargs.w13_strides, inter.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
            TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=wargs.tma,
-           L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, num_warps=cfg.num_warps,
-           num_stages=cfg.num_stages, **dependent)
+           L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dependent)
     if zeroed is not None:
         zeroed.record(stream)
     inter_scales = ()
@@ -624,8 +624,8 @@ def _gemms(ks: KernelSet, cfg: KernelConfig, rows: _GemmRows, weights, aligned: 
            inter.stride(0), *wargs.w2_strides, out.stride(0),
            BLOCK_M=bm, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, GROUP_M=cfg.group_m,
            SPLIT_K=cfg.split_k, TAIL_M=aligned.tail_m, TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks,
-           USE_TMA=wargs.tma, L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, **dependent,
-           **down_launch(cfg))
+           USE_TMA=wargs.tma, L2_EVICT_FIRST=wargs.evict_first, INT4_PAIR_OPS=cfg.int4_pair_ops,
+           INT4_SWAPPED=cfg.int4_swapped, **dependent, **down_launch(cfg))
 
 
 _side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
