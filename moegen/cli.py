@@ -62,7 +62,8 @@ def _output_folder(text: str) -> Path:
 def _cmd_tune(args) -> int:
     from moegen.tune.runner import tune
 
-    tune(args.spec, buckets=_token_counts(args.buckets), save_dir=args.save_dir, force=args.force)
+    tune(args.spec, buckets=_token_counts(args.buckets), save_dir=args.save_dir, force=args.force,
+         refine=args.refine)
     return 0
 
 
@@ -202,6 +203,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--force", action="store_true",
                    help="re-tune buckets the database already has (an entry stays unless a config is at least 1%% "
                         "faster in the confirmation and again in a paired duel with it)")
+    t.add_argument("--refine", action="store_true",
+                   help="re-tune every bucket starting from its entry (or the nearest smaller bucket's) instead of the "
+                        "cost model's: after a tuned option lands, fewer candidates than a full search")
     t.set_defaults(run=_cmd_tune)
 
     pl = sub.add_parser("plan", help="print the expert-offload plan (slots, pinned experts, prefetch, expected cost)")

@@ -71,6 +71,20 @@ def test_tune_warm_rebuild_and_forced_retune(interpreter_spec, tmp_path, capsys,
         assert forced.results[0].config == incumbent
         assert json.loads(report.saved_to.read_text())["buckets"]["16"]["config"] == incumbent.__dict__
 
+        # A refining re-tune starts from the entry: after the default, the entry (three-kernel, one
+        # stream) is the first config it times; a bucket without one (20) starts from bucket 16's.
+        timed = []
+
+        def recorded(search, config):
+            timed.append(config)
+            return measure(search, config)
+
+        monkeypatch.setattr(runner._Search, "measure", recorded)
+        refined = tune(interpreter_spec, buckets=[16, 20], refine=True, out=io.StringIO(), err=io.StringIO())
+        start = replace(incumbent, decode_block_n=0, streams=1)
+        assert [r.tokens for r in refined.results] == [16, 20]
+        assert timed[1] == start
+
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-interpreter tuning test")
 def test_stale_file_stops_the_tuner_early_and_seeds_a_tune_elsewhere(interpreter_spec, tmp_path, capsys,

@@ -267,7 +267,12 @@ class _Search:
 
 
 def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[Path] = None,
-         force: bool = False, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> TuneReport:
+         force: bool = False, refine: bool = False, out: Optional[TextIO] = None,
+         err: Optional[TextIO] = None) -> TuneReport:
+    """Tune each bucket (those the database lacks, or every one with force). With refine, a
+    bucket's search starts from its entry, or the nearest smaller bucket's, and that entry's
+    option twins (space.refine_starts) instead of the cost model's row blocks: after a tuned
+    option lands, a re-tune at a fraction of a full search's candidates."""
     started = time.perf_counter()
     out, err = out or sys.stdout, err or sys.stderr
 
@@ -288,7 +293,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
     db = tuning_db.TuningDb()
     wanted = list(buckets or spec.workload.token_buckets)
     entries = {t: db.lookup(gpu, ir.signature, t, kernel_templates(ir.signature)) for t in wanted}
-    known = {t for t in wanted if not force and entries[t]}
+    known = {t for t in wanted if not (force or refine) and entries[t]}
     todo = [t for t in wanted if t not in known]
     target_dir = Path(save_dir) if save_dir else db.dirs[0]
     if not todo:
@@ -320,7 +325,10 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                     f"best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
 
             three_kernel, three_kernel_time = replace(default, decode_block_n=0), math.inf
-            for start in space.starting_points(ir.signature, gpu, tokens):
+            entry = _nearest_entry(db, gpu, ir, tokens) if refine else None
+            starts = ((entry and space.refine_starts(entry, ir.signature, gpu))
+                      or space.starting_points(ir.signature, gpu, tokens))
+            for start in starts:
                 gate_up = space.gate_up_candidates(start, ir.signature, gpu)
                 step, _ = search.best_of(gate_up)
                 down = space.down_candidates(step, ir.signature, gpu)
@@ -400,6 +408,14 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                         time.perf_counter() - started)
     print(format_report(report), file=out)
     return report
+
+
+def _nearest_entry(db, gpu, ir: ModelIR, tokens: int) -> Optional[KernelConfig]:
+    """The bucket's entry, else the entry of the nearest smaller bucket (what a package launches there)."""
+    for bucket in sorted((b for b in ir.spec.workload.token_buckets if b <= tokens), reverse=True):
+        if found := db.lookup(gpu, ir.signature, bucket, kernel_templates(ir.signature)):
+            return found.config
+    return None
 
 
 def _save(directory: Path, metadata, r: BucketResult, failures: dict) -> Path:

@@ -174,6 +174,14 @@ def stagger_candidates(base: KernelConfig, signature: KernelSignature, target) -
     return _keep([replace(base, decode_stagger_k=True)], signature, target)
 
 
+def refine_starts(entry: KernelConfig, signature: KernelSignature, target: GpuTarget) -> list[KernelConfig]:
+    """A refining search's starts: a tuned entry, three-kernel on one stream, and its twin
+    multiplied the other way round (int4's large blocks), which wants other tiles: each is
+    searched with its own (the dequantization's other form is a step of every search)."""
+    base = _keep([replace(entry, decode_block_n=0, streams=1)], signature, target)
+    return base + swap_candidates(base[0], signature, target) if base else []
+
+
 def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) -> list[KernelConfig]:
     """One start per block_m: the cost model's default with that row block, three-kernel path
     on one stream without tail rows only (the decode kernel, tails and two streams are searched
