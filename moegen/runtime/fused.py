@@ -806,9 +806,20 @@ def decode_workspace(hidden_size: int, device: torch.device) -> torch.Tensor:
     key = (device, hidden_size)
     work = _workspaces.get(key)
     if work is None:
-        work = torch.zeros((DECODE_MAX_TOKENS, hidden_size), dtype=torch.float32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return work  # zeroed by a captured memset on every replay; not kept beyond the graph
+        shape = (DECODE_MAX_TOKENS, hidden_size)
+        if device.type != "cuda":
+            work = torch.zeros(shape, dtype=torch.float32, device=device)
+        elif torch.cuda.is_current_stream_capturing():
+            # zeroed by a captured memset on every replay; not kept beyond the graph
+            return torch.zeros(shape, dtype=torch.float32, device=device)
+        else:
+            # Allocated on a stream of its own: torch.compile's CUDA-graph warm-up (reduce-overhead)
+            # routes the current stream's allocations to its graph pool, where a tensor that
+            # outlives the call is refused ("not tracked as outputs", measured on the H100).
+            side = torch.cuda.Stream(device)
+            with torch.cuda.stream(side):
+                work = torch.zeros(shape, dtype=torch.float32, device=device)
+            torch.cuda.current_stream(device).wait_stream(side)
         _workspaces[key] = work
     return work
 
