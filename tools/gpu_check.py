@@ -274,8 +274,11 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
 
     stacks = []
     stack_tokens = [t for t in args.token_list if t <= STACK_MAX_TOKENS]
-    if stack_tokens:
-        buffers = [bank, *(bank.clone() for _ in range(stack_layers(torch, timer, bank) - 1))]
+    layers_fit = stack_layers(torch, timer, bank, e * m.expert_bytes if work.fmt.quantized else 0) if stack_tokens else 0
+    if layers_fit == 1:
+        print(f"  {spec_name}: no stack of layers (a second layer's experts do not fit)", file=sys.stderr, flush=True)
+    if layers_fit > 1:
+        buffers = [bank, *(bank.clone() for _ in range(layers_fit - 1))]
         stacked = {name: impl for name, impl in impls.items() if name not in EAGER_ONLY}
         for t in stack_tokens:
             layers = [Layer(b, *bank_views(b, e, h, inter), *work.inputs(t)) for b in buffers]
@@ -284,6 +287,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
             except Exception as exc:  # noqa: BLE001 - the spec's one-call rows still stand
                 traceback.print_exc()
                 problems.append(f"{spec_name} T={t} in a stack of layers: {type(exc).__name__}: {exc}")
+                del layers
                 continue
             if "moegen" in stack.wrong:
                 problems.append(f"{spec_name} T={t} in a stack of {stack.layers} layers: moegen relative "
@@ -353,14 +357,15 @@ def bank_views(bank, e: int, h: int, inter: int):
     return bank[:w13_numel].view(e, 2 * inter, h), bank[w13_numel:w13_numel + e * h * inter].view(e, h, inter)
 
 
-def stack_layers(torch, timer: Timer, bank) -> int:
+def stack_layers(torch, timer: Timer, bank, stored_bytes: int) -> int:
     """Layers of a stack: STACK_MAX_LAYERS where three quarters of the free memory holds their
-    copies of the experts, fewer where it does not (DeepSeek-V3's are 22.5 GB a layer), at least 2."""
+    copies of the experts (the bank, and quantized, their storage too), fewer where it does not
+    (DeepSeek-V3's are 22.5 GB a layer); 1 (no stack) where not even one copy fits."""
     if not timer.cuda:
         return 2
     free, _ = torch.cuda.mem_get_info()
-    copies = int(0.75 * free // (bank.numel() * bank.element_size()))
-    return 1 + max(1, min(STACK_MAX_LAYERS - 1, copies))
+    copies = int(0.75 * free // (bank.numel() * bank.element_size() + stored_bytes))
+    return 1 + min(STACK_MAX_LAYERS - 1, copies)
 
 
 @dataclass
@@ -550,6 +555,9 @@ def main(argv=None) -> int:
             stacks.extend(spec_stacks)
             callers.extend(spec_callers)
             problems.extend(spec_problems)
+            if timer.cuda:  # what a spec leaves allocated, the next one cannot use
+                print(f"  after {spec_name}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated",
+                      file=sys.stderr, flush=True)
 
     say("## fused MoE: moegen vs peers")
     say()
