@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -813,15 +814,21 @@ def decode_workspace(hidden_size: int, device: torch.device) -> torch.Tensor:
             # zeroed by a captured memset on every replay; not kept beyond the graph
             return torch.zeros(shape, dtype=torch.float32, device=device)
         else:
-            # Allocated on a stream of its own: torch.compile's CUDA-graph warm-up (reduce-overhead)
-            # routes the current stream's allocations to its graph pool, where a tensor that
-            # outlives the call is refused ("not tracked as outputs", measured on the H100).
-            side = torch.cuda.Stream(device)
-            with torch.cuda.stream(side):
-                work = torch.zeros(shape, dtype=torch.float32, device=device)
-            torch.cuda.current_stream(device).wait_stream(side)
+            work = _allocated_by_another_thread(shape, device)
         _workspaces[key] = work
     return work
+
+
+def _allocated_by_another_thread(shape: tuple, device: torch.device) -> torch.Tensor:
+    """Zeros kept across calls, allocated outside any CUDA-graph pool: torch.compile's graph
+    warm-up (reduce-overhead) sends every allocation of the current thread to its pool, and
+    refuses one that outlives the call ("not tracked as outputs", the e2e benchmark on the H100)."""
+    made = []
+    thread = threading.Thread(target=lambda: made.append(torch.zeros(shape, dtype=torch.float32, device=device)))
+    thread.start()
+    thread.join()
+    torch.cuda.default_stream(device).synchronize()  # where the other thread zeroed it
+    return made[0]
 
 
 def decode_routed_block_t(ks: KernelSet, num_tokens: int) -> int:
