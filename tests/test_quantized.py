@@ -65,7 +65,7 @@ def test_quantize_round_trip_is_within_the_format_step(name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_quantize_a_few_experts_at_a_time_stores_what_all_at_once_does(name, monkeypatch):
+def test_a_few_experts_at_a_time_store_and_dequantize_as_all_at_once(name, monkeypatch):
     fmt = _format(FORMATS[name], "float32")
     w = torch.randn(5, 300, 200, generator=torch.Generator().manual_seed(_seed("chunks", name)))
     whole = quantize(w, fmt)
@@ -73,6 +73,11 @@ def test_quantize_a_few_experts_at_a_time_stores_what_all_at_once_does(name, mon
     chunked = quantize(w, fmt)
     assert chunked.keys() == whole.keys()
     assert all(torch.equal(chunked[k], whole[k]) for k in whole)
+    # and dequantized the same way, into one tensor
+    monkeypatch.undo()
+    whole_w = dequantize(whole, fmt, 300, 200, torch.float32)
+    monkeypatch.setattr(quantize_module, "QUANTIZE_CHUNK_ELEMENTS", 2 * 300 * 200)
+    assert torch.equal(dequantize(whole, fmt, 300, 200, torch.float32), whole_w)
 
 
 def test_int4_packing_puts_even_inputs_in_the_low_nibble():

@@ -101,6 +101,22 @@ def dequantize(stored: dict[str, torch.Tensor], fmt: WeightFormat, n: int, k: in
     w = stored["weight"]
     if fmt.quantization == "none":
         return w.to(dtype)
+    # A few experts at a time, as quantize: int4's unpacked nibbles, zero points and scales of a
+    # whole DeepSeek-V3 projection are each as large as the result (OOM on the H100).
+    e = w.shape[0]
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // max(1, n * k))
+    if e <= step:
+        return _dequantize_experts(stored, fmt, n, k, dtype)
+    out = torch.empty((e, n, k), dtype=dtype, device=w.device)
+    for first in range(0, e, step):
+        out[first:first + step] = _dequantize_experts({name: t[first:first + step] for name, t in stored.items()},
+                                                      fmt, n, k, dtype)
+    return out
+
+
+def _dequantize_experts(stored: dict[str, torch.Tensor], fmt: WeightFormat, n: int, k: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    w = stored["weight"]
     if fmt.quantization == "fp8_block":
         rows = torch.arange(n, device=w.device) // FP8_BLOCK
         cols = torch.arange(k, device=w.device) // FP8_BLOCK
