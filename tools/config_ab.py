@@ -1,8 +1,8 @@
 """Time a spec's tuned entries against variants of them, on the GPU, as gpu_check times a call.
 
 For each bucket, the database's entry for this GPU (or, where the bucket has none, the entry of
-the nearest smaller bucket, which is what the package launches there) and each variant of it: the
-entry with some fields replaced. Every config is checked against the float64 reference first;
+the nearest smaller bucket, which is what the package launches there; the cost model's config
+where there is none) and each variant of it: the entry with some fields replaced. Every config is checked against the float64 reference first;
 then each is timed from an evicted L2 on the tuner's routing samples, in turns, and its mean
 is printed beside the entry's. A variant the format or the device refuses is reported, not run.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -37,27 +38,32 @@ def parse_variant(text: str) -> dict:
     return overrides
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("spec")
     parser.add_argument("--tokens", required=True, help="comma-separated token counts")
     parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
                         help="fields replaced in the entry (repeatable)")
-    args = parser.parse_args()
+    parser.add_argument("--cpu-smoke", action="store_true", help="on the CPU, in Triton's interpreter (tiny specs)")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.path.insert(0, str(REPO_ROOT))
 
     import torch
 
     from moegen.ir import lower
-    from moegen.plan.configs import fit_format, violation
+    from moegen.plan.configs import default_config, fit_format, violation
     from moegen.render import kernel_templates
     from moegen.spec import load_spec
     from moegen.target import current_gpu
     from moegen.tune import bench, db as tuning_db
     from moegen.tune.runner import CONFIRM_SAMPLES, _load_kernels, _Problem, _Sample, _Search, _weights
 
-    if not torch.cuda.is_available():
-        raise SystemExit("error: config_ab times kernels on a CUDA GPU")
+    on_gpu = torch.cuda.is_available()
+    if not (on_gpu or args.cpu_smoke):
+        raise SystemExit("error: config_ab times kernels on a CUDA GPU (or, with --cpu-smoke, in the interpreter)")
+    device = "cuda" if on_gpu else "cpu"
     variants = [parse_variant(v) for v in args.variant]
     spec = load_spec(args.spec)
     ir = dataclasses.replace(lower(spec, args.spec), target=current_gpu())
@@ -65,23 +71,23 @@ def main() -> int:
     db = tuning_db.TuningDb()
     tuned = sorted(t for t in spec.workload.token_buckets
                    if db.lookup(gpu, sig, t, kernel_templates(sig)) is not None)
-    ceilings = bench.measure_ceilings()[2:]
-    print(f"## {spec.name} on {gpu.name}: entries against variants (mean us over {CONFIRM_SAMPLES} routings, "
+    ceilings = bench.measure_ceilings()[2:] if on_gpu else (gpu.hbm_gbps, gpu.bf16_tflops)
+    samples = CONFIRM_SAMPLES if on_gpu else 1  # the interpreter's times mean nothing: one routing
+    print(f"## {spec.name} on {gpu.name}: entries against variants (mean us over {samples} routings, "
           f"L2 evicted)\n")
     print("| tokens | config | us | vs entry | % of floor |\n|---:|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory(prefix="moegen-ab-") as workdir:
         kernels = _load_kernels(ir, Path(workdir))
-        weights = _weights(ir, "cuda")
+        weights = _weights(ir, device)
         for tokens in (int(t) for t in args.tokens.split(",")):
             below = [t for t in tuned if t <= tokens]
-            if not below:
-                print(f"| {tokens} | no entry at or below this bucket | | | |")
-                continue
-            entry = db.lookup(gpu, sig, below[-1], kernel_templates(sig)).config
-            problem = _Problem(ir, tokens, weights, "cuda", ceilings)
-            samples = [problem] + [_Sample(ir, tokens, weights, "cuda", seed=tokens + 1000 * s)
-                                   for s in range(1, CONFIRM_SAMPLES)]
-            search = _Search(kernels, problem, True, {}, lambda line: print(line, file=sys.stderr))
+            entry = (db.lookup(gpu, sig, below[-1], kernel_templates(sig)).config if below
+                     else default_config(sig, gpu, tokens))
+            source = f"entry of {below[-1]}" if below else "cost model"
+            problem = _Problem(ir, tokens, weights, device, ceilings)
+            routings = [problem] + [_Sample(ir, tokens, weights, device, seed=tokens + 1000 * s)
+                                    for s in range(1, samples)]
+            search = _Search(kernels, problem, on_gpu, {}, lambda line: print(line, file=sys.stderr))
             configs = [entry]
             for overrides in variants:
                 config = fit_format(dataclasses.replace(entry, **overrides), sig)
@@ -91,16 +97,16 @@ def main() -> int:
                 elif config not in configs:
                     configs.append(config)
             ran = [c for c in configs if search.measure(c) < float("inf")]
-            means = search.judged_means(ran, samples)
+            means = search.judged_means(ran, routings)
             for config in configs:
                 if config not in means:
                     print(f"| {tokens} | `{config.key}` failed: {search.failures.get(config.key, '')} | | | |")
                     continue
                 ratio = f"{means[config] / means[entry]:.3f}" if entry in means else ""
-                label = f"`{config.key}`" + (f" (entry of {below[-1]})" if config == entry else "")
+                label = f"`{config.key}`" + (f" ({source})" if config == entry else "")
                 print(f"| {tokens} | {label} | {means[config]:.1f} | {ratio} | "
                       f"{100 * problem.floor_us / means[config]:.1f} |", flush=True)
-            del problem, samples
+            del problem, routings
     return 0
 
 
