@@ -269,10 +269,10 @@ class _Search:
 def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[Path] = None,
          force: bool = False, refine: bool = False, out: Optional[TextIO] = None,
          err: Optional[TextIO] = None) -> TuneReport:
-    """Tune each bucket (those the database lacks, or every one with force). With refine, a
-    bucket's search starts from its entry, or the nearest smaller bucket's, and that entry's
-    option twins (space.refine_starts) instead of the cost model's row blocks: after a tuned
-    option lands, a re-tune at a fraction of a full search's candidates."""
+    """Tune each bucket (those the database lacks, or every one with force or refine). With
+    refine, a bucket's search starts from its entry, or the nearest smaller bucket's, and that
+    entry multiplied the other way round (space.refine_starts) instead of the cost model's row
+    blocks: the re-tune after a tuned option lands, from the tails and groups already found."""
     started = time.perf_counter()
     out, err = out or sys.stdout, err or sys.stderr
 
