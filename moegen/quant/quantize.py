@@ -41,9 +41,14 @@ def quantize(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
     # A few experts at a time: the float32 intermediates of a whole DeepSeek-V3 projection
     # (256 x 2048 x 7168) would need several times its bytes on the GPU.
     e, n, k = w.shape
-    step = max(1, QUANTIZE_CHUNK_ELEMENTS // max(1, n * k))
+    step = _experts_per_chunk(n, k)
     parts = [_quantize_experts(w[first:first + step], fmt) for first in range(0, e, step)]
     return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+
+def _experts_per_chunk(n: int, k: int) -> int:
+    """Experts of [N, K] weights whose float32 intermediates fit QUANTIZE_CHUNK_ELEMENTS (at least one)."""
+    return max(1, QUANTIZE_CHUNK_ELEMENTS // max(1, n * k))
 
 
 def _quantize_experts(w: torch.Tensor, fmt: WeightFormat) -> dict[str, torch.Tensor]:
@@ -104,7 +109,7 @@ def dequantize(stored: dict[str, torch.Tensor], fmt: WeightFormat, n: int, k: in
     # A few experts at a time, as quantize: int4's unpacked nibbles, zero points and scales of a
     # whole DeepSeek-V3 projection are each as large as the result (OOM on the H100).
     e = w.shape[0]
-    step = max(1, QUANTIZE_CHUNK_ELEMENTS // max(1, n * k))
+    step = _experts_per_chunk(n, k)
     if e <= step:
         return _dequantize_experts(stored, fmt, n, k, dtype)
     out = torch.empty((e, n, k), dtype=dtype, device=w.device)
