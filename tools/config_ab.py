@@ -2,14 +2,15 @@
 
 For each bucket, the database's entry for this GPU (or, where the bucket has none, the entry of
 the nearest smaller bucket, which is what the package launches there; the cost model's config
-where there is none) and each variant of it: the entry with some fields replaced. Every config is checked against the float64 reference first;
-then each is timed from an evicted L2 on the tuner's routing samples, in turns, and its mean
-is printed beside the entry's. A variant the format or the device refuses is reported, not run.
+where there is none) and each variant of it: the entry with some fields replaced. Every config
+is checked against the float64 reference first; then each is timed from an evicted L2 on the
+tuner's routing samples, in turns, and its mean is printed beside the entry's. A variant the
+format or the device refuses is reported, not run.
 
     PYTHONPATH=. python tools/config_ab.py specs/mixtral-8x7b-int4.yaml --tokens 4096,16384 \\
         --variant int4_swapped=1 --variant int4_swapped=1,block_n=128,num_warps=8
 
-What this measures says whether a re-tune (`moegen tune SPEC --buckets ... --force`) is worth
+What this measures says whether a re-tune (`moegen tune SPEC --buckets ... --refine`) is worth
 its device time after a new tuned option lands (docs/PERFORMANCE.md, the ideas table).
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ def parse_variant(text: str) -> dict:
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         if name not in types or not value:
-            raise SystemExit(f"error: --variant {text!r}: {item!r} is not FIELD=VALUE with FIELD one of {sorted(types)}")
+            raise SystemExit(f"error: --variant {text!r}: {item!r} is not FIELD=VALUE with FIELD one of "
+                             f"{sorted(types)}")
         overrides[name] = value.lower() in ("1", "true") if types[name] in (bool, "bool") else int(value)
     return overrides
 
@@ -54,11 +56,11 @@ def main(argv=None) -> int:
 
     from moegen.ir import lower
     from moegen.plan.configs import default_config, fit_format, violation
-    from moegen.render import kernel_templates
     from moegen.spec import load_spec
     from moegen.target import current_gpu
     from moegen.tune import bench, db as tuning_db
-    from moegen.tune.runner import CONFIRM_SAMPLES, _load_kernels, _Problem, _Sample, _Search, _weights
+    from moegen.tune.runner import (CONFIRM_SAMPLES, _load_kernels, _Problem, _Sample, _Search, _weights,
+                                    nearest_entry)
 
     on_gpu = torch.cuda.is_available()
     if not (on_gpu or args.cpu_smoke):
@@ -69,8 +71,6 @@ def main(argv=None) -> int:
     ir = dataclasses.replace(lower(spec, args.spec), target=current_gpu())
     sig, gpu = ir.signature, ir.target
     db = tuning_db.TuningDb()
-    tuned = sorted(t for t in spec.workload.token_buckets
-                   if db.lookup(gpu, sig, t, kernel_templates(sig)) is not None)
     ceilings = bench.measure_ceilings()[2:] if on_gpu else (gpu.hbm_gbps, gpu.bf16_tflops)
     samples = CONFIRM_SAMPLES if on_gpu else 1  # the interpreter's times mean nothing: one routing
     print(f"## {spec.name} on {gpu.name}: entries against variants (mean us over {samples} routings, "
@@ -80,10 +80,9 @@ def main(argv=None) -> int:
         kernels = _load_kernels(ir, Path(workdir))
         weights = _weights(ir, device)
         for tokens in (int(t) for t in args.tokens.split(",")):
-            below = [t for t in tuned if t <= tokens]
-            entry = (db.lookup(gpu, sig, below[-1], kernel_templates(sig)).config if below
-                     else default_config(sig, gpu, tokens))
-            source = f"entry of {below[-1]}" if below else "cost model"
+            found = nearest_entry(db, gpu, ir, tokens)
+            entry = found[1] if found else default_config(sig, gpu, tokens)
+            source = f"entry of {found[0]}" if found else "cost model"
             problem = _Problem(ir, tokens, weights, device, ceilings)
             routings = [problem] + [_Sample(ir, tokens, weights, device, seed=tokens + 1000 * s)
                                     for s in range(1, samples)]

@@ -325,8 +325,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                     f"best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
 
             three_kernel, three_kernel_time = replace(default, decode_block_n=0), math.inf
-            entry = _nearest_entry(db, gpu, ir, tokens) if refine else None
-            starts = ((entry and space.refine_starts(entry, ir.signature, gpu))
+            entry = nearest_entry(db, gpu, ir, tokens) if refine else None
+            starts = ((entry and space.refine_starts(entry[1], ir.signature, gpu))
                       or space.starting_points(ir.signature, gpu, tokens))
             for start in starts:
                 gate_up = space.gate_up_candidates(start, ir.signature, gpu)
@@ -410,11 +410,12 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
     return report
 
 
-def _nearest_entry(db, gpu, ir: ModelIR, tokens: int) -> Optional[KernelConfig]:
-    """The bucket's entry, else the entry of the nearest smaller bucket (what a package launches there)."""
+def nearest_entry(db, gpu, ir: ModelIR, tokens: int) -> Optional[tuple[int, KernelConfig]]:
+    """(bucket, config) of the bucket's entry, else of the nearest smaller bucket's (what a
+    package launches there); None where no bucket at or below has one."""
     for bucket in sorted((b for b in ir.spec.workload.token_buckets if b <= tokens), reverse=True):
         if found := db.lookup(gpu, ir.signature, bucket, kernel_templates(ir.signature)):
-            return found.config
+            return bucket, found.config
     return None
 
 
