@@ -343,3 +343,19 @@ def test_moe_layer_quantizes_an_unquantized_checkpoint_as_it_loads(fmt_name, pac
     logits = x @ checkpoint["gate.weight"].T
     expected = ref.quantized_moe_reference(x, logits, s13, s2, fmt, pkg.KERNELS.routing, m.activation)
     assert ref.relative_error(out, expected) < 1e-5
+
+
+def test_the_benchmark_workload_quantizes_each_buffer_once(package_factory):
+    # gpu_check views the same layer buffers anew for every cell: the storage must follow the
+    # buffers (no second copy of a layer's storage per cell), and other buffers get their own.
+    from moegen.bench.cells import Workload
+
+    pkg = package_factory(buckets=(1,), dtype="float32", router_dtype="float32", **CPU_SHAPES["int4"],
+                          **FORMATS["int4_g32"])
+    work = Workload(pkg, torch.device("cpu"), seed=_seed("workload"))
+    first = work.stored(work.w13, work.w2)
+    again = work.stored(work.w13.view(work.w13.shape), work.w2.view(work.w2.shape))
+    assert all(a is b for a, b in zip(first, again))
+    other = work.stored(work.w13.clone(), work.w2.clone())
+    assert other[0] is not first[0] and torch.equal(other[0]["weight"], first[0]["weight"])
+    assert len(work._stored) == 2

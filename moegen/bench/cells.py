@@ -62,18 +62,21 @@ class Workload:
         torch.randn(self.w13.shape, generator=self.gen, out=self.w13).mul_(h ** -0.5)
         torch.randn(self.w2.shape, generator=self.gen, out=self.w2).mul_(inter ** -0.5)
         self.bias = ref.balanced_correction_bias(e, device) if m.correction_bias else None
-        self._stored: dict[int, tuple] = {}  # id(w13) -> (its storage, w2's storage)
+        # (w13's and w2's addresses) -> (w13, w2, their storage): keyed by memory, not by the view
+        # objects, which gpu_check makes anew per cell over the same buffers; holding the views
+        # keeps an address from being reused by other weights while its entry stands.
+        self._stored: dict[tuple[int, int], tuple] = {}
         if self.fmt.quantized:
             stored = self.stored(self.w13, self.w2)
             self.w13.copy_(dequantize_w13(stored[0], self.fmt, h, inter, self.dtype))
             self.w2.copy_(dequantize(stored[1], self.fmt, h, inter, self.dtype))
 
     def stored(self, w13, w2) -> tuple[dict, dict]:
-        """w13's and w2's storage in the package's format (quantized once per pair)."""
-        key = id(w13)
+        """w13's and w2's storage in the package's format (quantized once per pair of buffers)."""
+        key = (w13.data_ptr(), w2.data_ptr())
         if key not in self._stored:
-            self._stored[key] = (quantize_w13(w13, self.fmt), quantize(w2, self.fmt))
-        return self._stored[key]
+            self._stored[key] = (w13, w2, quantize_w13(w13, self.fmt), quantize(w2, self.fmt))
+        return self._stored[key][2:]
 
     def kernel_call(self, x, logits, w13, w2):
         """moegen's fused_moe on weights w13, w2 (or, quantized, on their storage and scales)."""
