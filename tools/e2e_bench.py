@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -28,7 +29,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-VARIANTS = {"transformers": None, "bf16": "none", "fp8": "fp8_block", "int4": "int4_group"}
+# variant -> the spec's quantization fields (None: transformers' own experts); int4 as the shipped
+# mixtral-8x7b-int4 (AWQ's groups of 128 with zero points), whose tuned entries it then shares.
+VARIANTS = {"transformers": None, "bf16": {}, "fp8": {"quantization": "fp8_block"},
+            "int4": {"quantization": "int4_group", "quantization_zero_point": True}}
 BATCHES = (1, 16)
 PROMPT_TOKENS = 64
 
@@ -57,15 +61,17 @@ def build_model(values: dict, device: str, dtype):
     return model.eval()
 
 
-def build_package(values: dict, quantization: str, folder: Path):
+def build_package(values: dict, variant: str, folder: Path, gpu: str):
+    """The variant's package, built for `gpu` (the GPU it runs on, so that its tuned entries apply)."""
     import moegen
     from moegen import knobs
     from moegen.package import build
     from moegen.spec.from_hf import spec_text
 
-    name = f"e2e-{quantization.replace('_', '-')}"
-    text = spec_text(values, "specs/hf/mixtral-8x7b.json", name)
-    text = text.replace("quantization: none", f"quantization: {quantization}")
+    name = f"e2e-{variant}"
+    text = spec_text(values, "specs/hf/mixtral-8x7b.json", name, gpu=gpu)
+    for field, value in VARIANTS[variant].items():
+        text = re.sub(rf"(?m)^  {field}: .*$", f"  {field}: {str(value).lower()}", text)
     spec = folder / f"{name}.yaml"
     spec.write_text(text)
     with knobs.scope(MOEGEN_PRECOMPILE="0"):  # the warm-up compiles the shapes the benchmark runs
@@ -114,19 +120,21 @@ def main(argv=None) -> int:
     import torch
 
     from moegen.bench.report import publish
+    from moegen.target import current_gpu
 
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
     values = _config(json.loads((REPO_ROOT / "specs" / "hf" / "mixtral-8x7b.json").read_text()), args.layers, smoke)
     new_tokens = 4 if smoke else args.new_tokens
+    gpu = "h200" if smoke else current_gpu().alias
     lines = ["| experts | batch | tokens/s | vs transformers | first tokens agree with transformers |",
              "|---|---:|---:|---:|---|"]
     baseline, reference_tokens = {}, {}
     with tempfile.TemporaryDirectory(prefix="moegen-e2e-") as folder:
         for variant in args.variants.split(","):
             quantization = VARIANTS[variant]
-            package = build_package(values, quantization, Path(folder)) if quantization is not None else None
+            package = build_package(values, variant, Path(folder), gpu) if quantization is not None else None
             for batch in BATCHES if not smoke else (1, 2):
                 model = build_model(values, device, dtype)
                 if package is not None:
