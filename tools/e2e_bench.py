@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     baseline, reference_tokens = {}, {}
     with tempfile.TemporaryDirectory(prefix="moegen-e2e-") as folder:
         for variant in args.variants.split(","):
-            quantization = VARIANTS[variant]
-            package = build_package(values, variant, Path(folder), gpu) if quantization is not None else None
+            moegen_experts = VARIANTS[variant] is not None
+            package = build_package(values, variant, Path(folder), gpu) if moegen_experts else None
             for batch in BATCHES if not smoke else (1, 2):
                 model = build_model(values, device, dtype)
                 if package is not None:
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                     f"{next((i for i, (a, b) in enumerate(zip(tokens, reference_tokens[batch])) if a != b), len(tokens))}" \
                     f" of {len(tokens)}"
                 vs = f"{rate / baseline[batch]:.2f}x" if batch in baseline else "-"
-                label = variant if quantization is None else f"moegen {variant}"
+                label = f"moegen {variant}" if moegen_experts else variant
                 lines.append(f"| {label} | {batch} | {rate:.1f} | {vs} | {agree} |")
                 print(lines[-1], file=sys.stderr, flush=True)
                 del model
