@@ -33,6 +33,8 @@ def test_cpu_smoke_run_reports_every_table(tmp_path):
     assert [int(row[1]) for row in peers] == list(SMOKE_TOKENS)
     assert [(int(row[1]), int(row[2])) for row in stacked] == [(t, 2) for t in SMOKE_TOKENS]  # 2 layers on the CPU
     assert all("WRONG" not in cell for row in peers + stacked for cell in row)
+    configs = next(line for line in lines if line.startswith("- configs ("))
+    assert f"tiny 0 of 4 buckets tuned for the NVIDIA H200; {quantized} 0 of 4 buckets" in configs
     quantized_at = lines.index("## Quantized experts against moegen's bf16")
     section_end = next(i for i in range(quantized_at + 1, len(lines)) if lines[i].startswith("## "))
     compared = [line.split(" | ") for line in lines[quantized_at:section_end] if line.startswith("| tiny-int4 |")]

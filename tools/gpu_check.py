@@ -201,6 +201,18 @@ def resolve_spec(name: str) -> Path:
     raise FileNotFoundError(f"no spec {name!r} (looked in specs/ and specs/untuned/)")
 
 
+def config_sources(spec_path: Path) -> str:
+    """Where the spec's build takes its kernel configs: tuned entries for its target.gpu, which
+    need not be the card that runs it, or the cost model."""
+    from moegen.ir import lower
+    from moegen.plan import COST_MODEL, plan
+    from moegen.spec import load_spec
+
+    build_plan = plan(lower(load_spec(spec_path), spec_path), strict=False)
+    tuned = sum(bucket.source != COST_MODEL for bucket in build_plan.buckets)
+    return f"{tuned} of {len(build_plan.buckets)} buckets tuned for the {build_plan.ir.target.name}"
+
+
 def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[Stack],
                                                                list["CallerRouted"], list[str]]:
     torch, device, timer, ceil, args = ctx["torch"], ctx["device"], ctx["timer"], ctx["ceil"], ctx["args"]
@@ -535,6 +547,7 @@ def main(argv=None) -> int:
     colds: list[Cold] = []
     problems: list[str] = []
     rate_before: dict[str, float] = {}  # the GEMM rate again before each spec: how far it drifts
+    sources: dict[str, str] = {}  # where each spec's configs come from
     from moegen.tune.bench import measure_gemm_tflops
 
     with tempfile.TemporaryDirectory(prefix="moegen-gpu-check-") as build_dir:
@@ -543,6 +556,7 @@ def main(argv=None) -> int:
                 rate_before[spec_name] = measure_gemm_tflops()
                 torch.cuda.empty_cache()
             try:
+                sources[spec_name] = config_sources(resolve_spec(spec_name))
                 cold, spec_rows, spec_stacks, spec_callers, spec_problems = bench_spec(ctx, spec_name,
                                                                                       Path(build_dir))
             except Exception as exc:  # noqa: BLE001 - keep going with the other specs
@@ -571,6 +585,9 @@ def main(argv=None) -> int:
     if rate_before:
         say(f"- {ceil.gemm_dtype} GEMM rate measured again before each spec (the floors use the one above): "
             + ", ".join(f"{name} {rate:.1f}" for name, rate in rate_before.items()) + " TFLOP/s")
+    if sources:
+        say("- configs (each spec's build, for its target.gpu; the others from the cost model): "
+            + "; ".join(f"{name} {source}" for name, source in sources.items()))
     for line in notes(rows):
         say(line)
     say()
