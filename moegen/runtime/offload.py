@@ -58,22 +58,32 @@ class RouterPredictor(Predictor):
         self._staged: Optional[tuple] = None
 
     def stage(self, layer: int, hidden: torch.Tensor) -> None:
-        """Queue the prediction for `layer` from `hidden` on the device now, ahead of the kernels
-        the caller launches next: predict() then reads it without waiting for them (computed in
-        predict(), it would wait for the layer's kernels, and the prefetch copies behind would
-        not overlap them)."""
-        self._staged = (layer, self._top(layer, hidden))
+        """Queue the prediction for `layer` from `hidden` on the device now, and its copy to the
+        host behind it, ahead of the copies and kernels the caller launches next: predict() then
+        reads it without waiting for them. (Read in predict(), a copy queued behind the layer's
+        step would wait for its demand copies and kernels, the host with it, and the prefetch
+        copies would not overlap them.)"""
+        top = self._top(layer, hidden)
+        indices, values = top.indices.to("cpu", non_blocking=True), top.values.to("cpu", non_blocking=True)
+        landed = None
+        if hidden.is_cuda:
+            landed = torch.cuda.Event()
+            landed.record()
+        self._staged = (layer, indices, values, landed)
 
     def predict(self, layer, context):
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == layer:
-            top = staged[1]
+            _, indices, values, landed = staged
+            if landed is not None:
+                landed.synchronize()  # already done where the step's routing was read since
         elif context.hidden is None:
             return []
         else:
             top = self._top(layer, context.hidden)
+            indices, values = top.indices, top.values
         return [(e, 0.95 if rank < self.top_k else p)
-                for rank, (e, p) in enumerate(zip(top.indices.tolist(), top.values.tolist()))]
+                for rank, (e, p) in enumerate(zip(indices.tolist(), values.tolist()))]
 
 
     def _top(self, layer: int, hidden: torch.Tensor):
