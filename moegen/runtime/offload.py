@@ -76,7 +76,7 @@ class RouterPredictor(Predictor):
         if staged is not None and staged[0] == layer:
             _, indices, values, landed = staged
             if landed is not None:
-                landed.synchronize()  # already done where the step's routing was read since
+                landed.synchronize()  # complete already: the routing read back since was queued after it
         elif context.hidden is None:
             return []
         else:
