@@ -12,7 +12,8 @@ on the pool, as a CUDA graph per layer for decode-sized batches (after the per-l
 synchronization the GPU idles until the host has launched the step, so the step's launches are
 the latency); then the experts predicted for the layer `lookahead` ahead are prefetched on a
 side CUDA stream, ordered with events: a prefetch into a layer's pool waits for that layer's
-previous kernels, and the layer's next copies and kernels wait for its prefetches. A step with
+previous kernels and for the current step's demand copies (the link serves those first), and
+the layer's next copies and kernels wait for its prefetches. A step with
 more distinct experts than slots (a prompt, a large batch) streams them through the pool in
 groups, each group's copies on the side stream while the group before computes. The stall
 (time the kernels waited for copies) is measured on the GPU by timing events around the waits.
@@ -138,6 +139,7 @@ class OffloadedMoE:
         self.lookahead = max(1, plan.lookahead)
         self._stall_s = 0.0  # waits for copies resolved so far
         self._stall_marks: list = []  # (start, end) timing events around a step's waits, not yet read
+        self._demand_landed: Optional[torch.cuda.Event] = None  # after the latest step's demand copies
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_gpu else None
         self.pools = [
             _Pool({name: torch.empty((slots, *shape[1:]), dtype=dtype, device=self.device)
@@ -202,6 +204,8 @@ class OffloadedMoE:
         pool = self.pools[layer]
         if self.on_gpu and pool.done is not None:
             self.copy_stream.wait_event(pool.done)  # its previous kernels may still read these slots
+        if self.on_gpu and self._demand_landed is not None:
+            self.copy_stream.wait_event(self._demand_landed)  # the step's own demand copies take the link first
         for load in loads:
             self._copy(load, self.copy_stream)
         if self.on_gpu:
@@ -363,6 +367,8 @@ class OffloadedMoE:
         for load in loads:  # on the compute stream: the kernels behind run after them
             self._copy(load, None)
         end.record(stream)
+        if loads:
+            self._demand_landed = end
         self._stall_marks.append((start, end))
         if len(self._stall_marks) >= 64:  # the per-layer synchronization completed most
             self._read_stall_marks()
