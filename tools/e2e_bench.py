@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -69,9 +68,7 @@ def build_package(values: dict, variant: str, folder: Path, gpu: str):
     from moegen.spec.from_hf import spec_text
 
     name = f"e2e-{variant}"
-    text = spec_text(values, "specs/hf/mixtral-8x7b.json", name, gpu=gpu)
-    for field, value in VARIANTS[variant].items():
-        text = re.sub(rf"(?m)^  {field}: .*$", f"  {field}: {str(value).lower()}", text)
+    text = spec_text(values, "specs/hf/mixtral-8x7b.json", name, gpu=gpu, model_overrides=VARIANTS[variant])
     spec = folder / f"{name}.yaml"
     spec.write_text(text)
     with knobs.scope(MOEGEN_PRECOMPILE="0"):  # the warm-up compiles the shapes the benchmark runs

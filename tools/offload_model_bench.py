@@ -71,9 +71,10 @@ def build_package(folder: Path, experts: str, out: Path, smoke: bool):
 
     values, source = read_config(folder)
     name = f"{folder.name}-{experts}"
-    text = spec_text(values, source, name).replace("quantization: none", f"quantization: {EXPERTS[experts]}")
+    quantization = {"quantization": EXPERTS[experts]}
     if smoke and experts == "int4":
-        text = text.replace("quantization_group_size: 128", "quantization_group_size: 32")
+        quantization["quantization_group_size"] = 32
+    text = spec_text(values, source, name, model_overrides=quantization)
     spec = out / f"{name}.yaml"
     spec.write_text(text)
     with knobs.scope(MOEGEN_PRECOMPILE="0"):
