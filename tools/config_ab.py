@@ -1,8 +1,10 @@
 """Time a spec's tuned entries against variants of them, on the GPU, as gpu_check times a call.
 
-For each bucket, the database's entry for this GPU (or, where the bucket has none, the entry of
-the nearest smaller bucket, which is what the package launches there; the cost model's config
-where there is none) and each variant of it: the entry with some fields replaced. Every config
+For each token count, the database's entry for this GPU at that bucket (or else the nearest
+smaller bucket's: beyond the spec's largest bucket, what the package launches; between two
+buckets the package launches the larger one's config, so pass buckets; the cost model's config
+where no bucket at or below has an entry) and each variant of it: the entry with some fields
+replaced. Every config
 is checked against the float64 reference first; then each is timed from an evicted L2 on the
 tuner's routing samples, in turns, and its mean is printed beside the entry's. A variant the
 format or the device refuses is reported, not run.

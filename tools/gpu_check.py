@@ -286,7 +286,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
 
     stacks = []
     stack_tokens = [t for t in args.token_list if t <= STACK_MAX_TOKENS]
-    # Quantized: a layer's storage, and as much again while quantizing it (its float32 chunks).
+    # Quantized: a layer's storage, and as much again while quantize() joins its chunks' storage.
     stored_bytes = 2 * e * m.expert_bytes if work.fmt.quantized else 0
     layers_fit = stack_layers(torch, timer, bank, stored_bytes) if stack_tokens else 0
     if layers_fit == 1:

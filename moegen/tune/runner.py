@@ -411,8 +411,8 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
 
 
 def nearest_entry(db, gpu, ir: ModelIR, tokens: int) -> Optional[tuple[int, KernelConfig]]:
-    """(bucket, config) of the bucket's entry, else of the nearest smaller bucket's (what a
-    package launches there); None where no bucket at or below has one."""
+    """(bucket, config) of the bucket's entry, else of the nearest smaller bucket's (beyond the
+    spec's largest bucket, what a package launches); None where no bucket at or below has one."""
     for bucket in sorted((b for b in ir.spec.workload.token_buckets if b <= tokens), reverse=True):
         if found := db.lookup(gpu, ir.signature, bucket, kernel_templates(ir.signature)):
             return bucket, found.config
