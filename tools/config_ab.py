@@ -12,6 +12,13 @@ format or the device refuses is reported, not run.
     PYTHONPATH=. python tools/config_ab.py specs/mixtral-8x7b-int4.yaml --tokens 4096,16384 \\
         --variant int4_swapped=1 --variant int4_swapped=1,block_n=128,num_warps=8
 
+With --profile, each config that ran is called once more between cudaProfilerStart and
+cudaProfilerStop, for Nsight Compute to profile just those calls' kernels:
+
+    ncu --clock-control none --profile-from-start off --csv --page details --log-file ncu.csv \\
+        --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \\
+        python tools/config_ab.py specs/qwen3-30b-a3b-int4.yaml --tokens 1 --profile
+
 What this measures says whether a re-tune (`moegen tune SPEC --buckets ... --refine`) is worth
 its device time after a new tuned option lands (docs/PERFORMANCE.md, the ideas table).
 """
@@ -49,6 +56,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
                         help="fields replaced in the entry (repeatable)")
     parser.add_argument("--cpu-smoke", action="store_true", help="on the CPU, in Triton's interpreter (tiny specs)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one more call of each config between cudaProfilerStart and Stop (for ncu)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -107,6 +116,13 @@ def main(argv=None) -> int:
                 label = f"`{config.key}`" + (f" ({source})" if config == entry else "")
                 print(f"| {tokens} | {label} | {means[config]:.1f} | {ratio} | "
                       f"{100 * problem.floor_us / means[config]:.1f} |", flush=True)
+            if args.profile and on_gpu:
+                for config in means:  # in the order of the table's rows
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStart()
+                    search._call(config, problem)
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStop()
             del problem, routings
     return 0
 
