@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.quant.formats import FP8_BLOCK, WeightFormat
+from moegen.quant.formats import DTYPE_BYTES, FP8_BLOCK, WeightFormat
 
 # The narrowest int4 decode slice that computes right: every 16-column tile the tuner tried
 # (any BLOCK_K/BLOCK_H/warps/stages) was wrong on the H100 with Triton 3.6, relative error ~1.6,
@@ -70,22 +70,52 @@ TWO_STREAMS_MAX_COMPUTE_US = 600.0
 EVICT_FIRST_MAX_ROWS = 128
 
 
-def gate_up_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
+# Shared memory Triton places beside a GEMM's pipelined tiles (barriers, the epilogue's scratch):
+# 512 bytes in DeepSeek-V3 fp8's GEMM2 (compiled for sm_90, Triton 3.6), where the tiles' count
+# is exact; counted twice over.
+SMEM_BESIDE_TILES = 1024
+
+
+def _weight_tiles_bytes(fmt: WeightFormat, elements: int) -> int:
+    """Shared memory of weight tiles of `elements` weights per stage, as stored: bf16/fp16 and fp8
+    tiles feed the MMA from shared memory as they are; int4 tiles take half a byte a weight."""
+    return elements // 2 if fmt.quantization == "int4_group" else elements * fmt.element_bytes("weight")
+
+
+def _dequantized_tiles_bytes(fmt: WeightFormat, elements: int) -> int:
+    """int4 only: one dequantized copy of the step's weight tiles, in the model dtype, where the
+    compiler stages the MMA's operand in shared memory (row blocks not multiplied swapped): counted
+    for every int4 config, so the bound never undercounts."""
+    return elements * DTYPE_BYTES[fmt.dtype] if fmt.quantization == "int4_group" else 0
+
+
+def _rows_bytes(fmt: WeightFormat) -> int:
+    """Bytes of one activation element in a GEMM's shared memory: fp8 formats multiply fp8 rows
+    (quantized by the rows pass), the others the model dtype."""
+    return 1 if fmt.fp8 else DTYPE_BYTES[fmt.dtype]
+
+
+def gate_up_smem_bytes(c: KernelConfig, fmt: WeightFormat) -> int:
     """Pipelined shared memory of GEMM1: A tiles (block and tail rows) and two B tiles (gate, up)
-    per stage."""
-    return c.num_stages * ((c.block_m + c.tail_m) * c.block_k + 2 * c.block_k * c.block_n) * element_bytes
+    per stage, each at its bytes in the format."""
+    weights = 2 * c.block_k * c.block_n
+    return c.num_stages * ((c.block_m + c.tail_m) * c.block_k * _rows_bytes(fmt) + _weight_tiles_bytes(fmt, weights)) \
+        + _dequantized_tiles_bytes(fmt, weights)
 
 
-def down_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
-    return c.down_num_stages * ((c.block_m + c.tail_m) * c.down_block_k + c.down_block_k * c.down_block_n) \
-        * element_bytes
+def down_smem_bytes(c: KernelConfig, fmt: WeightFormat) -> int:
+    weights = c.down_block_k * c.down_block_n
+    return c.down_num_stages * ((c.block_m + c.tail_m) * c.down_block_k * _rows_bytes(fmt)
+                                + _weight_tiles_bytes(fmt, weights)) + _dequantized_tiles_bytes(fmt, weights)
 
 
-def decode_smem_bytes(c: KernelConfig, element_bytes: int) -> int:
-    """The decode kernel pipelines GEMM1 (16 rows, two B tiles) and then GEMM2's W2 tiles; the
-    second loop reuses the first one's buffers."""
-    gate_up = 16 * c.decode_block_k + 2 * c.decode_block_k * c.decode_block_n
-    return c.decode_num_stages * max(gate_up, c.decode_block_h * c.decode_block_n) * element_bytes
+def decode_smem_bytes(c: KernelConfig, fmt: WeightFormat) -> int:
+    """The decode kernel pipelines GEMM1 (16 rows, loaded in the model dtype, and two B tiles) and
+    then GEMM2's W2 tiles; the second loop reuses the first one's buffers."""
+    rows = 16 * c.decode_block_k * DTYPE_BYTES[fmt.dtype]
+    gate_up, down = 2 * c.decode_block_k * c.decode_block_n, c.decode_block_h * c.decode_block_n
+    return c.decode_num_stages * max(rows + _weight_tiles_bytes(fmt, gate_up), _weight_tiles_bytes(fmt, down)) \
+        + _dequantized_tiles_bytes(fmt, max(gate_up, down))
 
 
 def malformed(c: KernelConfig) -> str | None:
@@ -149,11 +179,11 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
     problem = malformed(c) or format_violation(c, signature.weight_format)
     if problem:
         return problem
-    limit, b = target.smem_per_block_kib * 1024, signature.element_bytes
-    if gate_up_smem_bytes(c, b) > limit:
-        return f"GEMM1 shared memory {gate_up_smem_bytes(c, b)} > {limit}"
-    if down_smem_bytes(c, b) > limit:
-        return f"GEMM2 shared memory {down_smem_bytes(c, b)} > {limit}"
+    limit, fmt = target.smem_per_block_kib * 1024 - SMEM_BESIDE_TILES, signature.weight_format
+    if gate_up_smem_bytes(c, fmt) > limit:
+        return f"GEMM1 shared memory {gate_up_smem_bytes(c, fmt)} > {limit}"
+    if down_smem_bytes(c, fmt) > limit:
+        return f"GEMM2 shared memory {down_smem_bytes(c, fmt)} > {limit}"
     problem = accumulator_violation(c, signature)
     if problem:
         return problem
@@ -165,8 +195,8 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
     if c.split_k > 1 and (signature.intermediate_size + c.down_block_k - 1) // c.down_block_k < 2 * c.split_k:
         return "split-K finer than two K steps per split"
     if c.decode_block_n:
-        if decode_smem_bytes(c, b) > limit:
-            return f"decode shared memory {decode_smem_bytes(c, b)} > {limit}"
+        if decode_smem_bytes(c, fmt) > limit:
+            return f"decode shared memory {decode_smem_bytes(c, fmt)} > {limit}"
         if 16 * (2 * c.decode_block_n + c.decode_block_h) > MAX_ACCUMULATORS_PER_THREAD * 32 * c.decode_num_warps:
             return "decode accumulators exceed the register file"
         if c.decode_block_n > max(16, i) or c.decode_block_k > max(16, h) or c.decode_block_h > max(16, h):

@@ -14,9 +14,12 @@ from moegen.target import GpuTarget
 # (block_n, block_k, num_warps, num_stages) of GEMM1, by regime: few rows per block (weights
 # streamed, memory-bound), a middle one, many rows (compute-bound). The eight-warp row-block
 # tiles are for dequantizing formats at decode sizes, where programs are fewer than SMs and one
-# warp a scheduler leaves the dequantization's latencies bare.
+# warp a scheduler leaves the dequantization's latencies bare. The last two fit shared memory
+# only where weights take fewer bytes than bf16 (int4, fp8): a stage of int4 tiles holds a
+# quarter of the bytes, so the same depth keeps a quarter of the bytes in flight.
 GATE_UP_MEMORY = ((32, 128, 4, 4), (64, 128, 4, 4), (64, 64, 4, 6), (128, 128, 4, 3), (32, 256, 4, 3),
-                  (64, 256, 4, 3), (128, 64, 4, 4), (64, 128, 8, 4), (32, 128, 8, 4))
+                  (64, 256, 4, 3), (128, 64, 4, 4), (64, 128, 8, 4), (32, 128, 8, 4), (64, 256, 4, 4),
+                  (32, 256, 4, 6))
 GATE_UP_MIDDLE = ((128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 4, 3))
 GATE_UP_COMPUTE = ((64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 4, 3), (128, 128, 8, 3),
                    (64, 64, 8, 5), (128, 32, 4, 5))
