@@ -270,8 +270,9 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if device.type == "cuda":
-        # Measured again after the rows, the faster of the two: a copy slowed by whatever else
-        # the host did then (the first run's 47.5 against 55 GB/s) would loosen every floor.
+        # Measured again after the rows, the faster of the two: a start copy slowed by whatever
+        # else the host did then would loosen every floor (47.5 GB/s where that run's own decode
+        # steps moved 53.8, PERFORMANCE.md).
         link = max(link, pinned_link_gbps())
     lines = [line if isinstance(line, str) else table_line(torch, line, link) for line in lines]
     header = [f"# Offloaded whole models: {args.layers} decoder layers each, random weights", "",
