@@ -32,8 +32,10 @@ Path({out!r}).write_text(json.dumps(shared))
 # (spec, tokens, fields replaced in the cost model's config): the deepest tiles each format's
 # count allows among the tuner's candidates, and a default.
 CASES = [
-    ("qwen3-30b-a3b-int4", 1, dict(block_m=16, block_n=64, block_k=256, num_stages=4, down_block_k=256,
-                                   down_num_stages=4)),
+    ("qwen3-30b-a3b-int4", 1, dict(block_m=16, block_n=64, block_k=256, num_stages=4, down_block_k=512,
+                                   down_num_stages=3)),
+    ("mixtral-8x7b-int4", 64, dict(block_m=32, block_n=32, block_k=256, num_stages=6, down_block_k=512,
+                                   down_num_stages=3)),
     ("qwen3-30b-a3b-int4", 512, dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
                                      int4_pair_ops=True, tail_m=0, tail_split=False, tails_first=False,
                                      down_max_registers=0)),
