@@ -201,20 +201,19 @@ def resolve_spec(name: str) -> Path:
     raise FileNotFoundError(f"no spec {name!r} (looked in specs/ and specs/untuned/)")
 
 
-def config_sources(spec_path: Path) -> str:
-    """Where the spec's build takes its kernel configs: tuned entries for its target.gpu, which
-    need not be the card that runs it, or the cost model."""
-    from moegen.ir import lower
-    from moegen.plan import COST_MODEL, plan
-    from moegen.spec import load_spec
+def config_sources(package_folder: Path) -> str:
+    """Where a built package took its kernel configs (its manifest's buckets): tuned entries for
+    its target.gpu, which need not be the card that runs it, or the cost model."""
+    from moegen.plan import COST_MODEL
 
-    build_plan = plan(lower(load_spec(spec_path), spec_path), strict=False)
-    tuned = sum(bucket.source != COST_MODEL for bucket in build_plan.buckets)
-    return f"{tuned} of {len(build_plan.buckets)} buckets tuned for the {build_plan.ir.target.name}"
+    manifest = json.loads((package_folder / "manifest.json").read_text())
+    tuned = sum(bucket["source"] != COST_MODEL for bucket in manifest["buckets"])
+    return f"{tuned} of {len(manifest['buckets'])} buckets tuned for the {manifest['target']['name']}"
 
 
-def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], list[Row], list[Stack],
-                                                               list["CallerRouted"], list[str]]:
+def bench_spec(ctx, spec_name: str, build_dir: Path, sources: dict[str, str]) -> tuple[
+        Optional[Cold], list[Row], list[Stack], list["CallerRouted"], list[str]]:
+    """The spec's tables; `sources` gets where its build took its configs, as soon as it is built."""
     torch, device, timer, ceil, args = ctx["torch"], ctx["device"], ctx["timer"], ctx["ceil"], ctx["args"]
     from moegen import load
     from moegen import reference as ref
@@ -224,6 +223,7 @@ def bench_spec(ctx, spec_name: str, build_dir: Path) -> tuple[Optional[Cold], li
     start = time.perf_counter()
     folder, _ = build(resolve_spec(spec_name), build_dir)
     build_s = time.perf_counter() - start
+    sources[spec_name] = config_sources(folder)
     start = time.perf_counter()
     pkg = load(folder)
     import_ms = (time.perf_counter() - start) * 1e3
@@ -556,9 +556,8 @@ def main(argv=None) -> int:
                 rate_before[spec_name] = measure_gemm_tflops()
                 torch.cuda.empty_cache()
             try:
-                sources[spec_name] = config_sources(resolve_spec(spec_name))
                 cold, spec_rows, spec_stacks, spec_callers, spec_problems = bench_spec(ctx, spec_name,
-                                                                                      Path(build_dir))
+                                                                                      Path(build_dir), sources)
             except Exception as exc:  # noqa: BLE001 - keep going with the other specs
                 traceback.print_exc()
                 problems.append(f"{spec_name}: {type(exc).__name__}: {exc}")
