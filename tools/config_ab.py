@@ -4,10 +4,9 @@ For each token count, the database's entry for this GPU at that bucket (or else 
 smaller bucket's: beyond the spec's largest bucket, what the package launches; between two
 buckets the package launches the larger one's config, so pass buckets; the cost model's config
 where no bucket at or below has an entry) and each variant of it: the entry with some fields
-replaced. Every config
-is checked against the float64 reference first; then each is timed from an evicted L2 on the
-tuner's routing samples, in turns, and its mean is printed beside the entry's. A variant the
-format or the device refuses is reported, not run.
+replaced. Every config is checked against the float64 reference first; then each is timed from
+an evicted L2 on the tuner's routing samples, in turns, and its mean is printed beside the
+entry's. A variant the format or the device refuses is reported, not run.
 
     PYTHONPATH=. python tools/config_ab.py specs/mixtral-8x7b-int4.yaml --tokens 4096,16384 \\
         --variant int4_swapped=1 --variant int4_swapped=1,block_n=128,num_warps=8
