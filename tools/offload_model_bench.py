@@ -138,7 +138,9 @@ def decode_rate(torch, model, device, batch: int, new_tokens: int) -> dict:
         model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, streamer=clock)
         return clock
 
-    run(2)  # warm-up
+    # A warm-up as long as the timed run: a row's first steps can run slow for a while (DeepSeek-V2
+    # int4 on the H200: 5.3-5.9 ms for 5-13 steps, then 3.3-3.7 ms, resident rows too; PERFORMANCE.md).
+    run(new_tokens)
     marks = run(new_tokens).marks[1:]  # from the first new token on
     in_order = [(1e3 * (b[0] - a[0]), 1e3 * (b[3] - a[3])) for a, b in zip(marks, marks[1:])]
     # Each step's ms and the garbage collector's share of it, in order (PERFORMANCE.md: the slow
