@@ -214,11 +214,15 @@ def test_int4_dequantizations_of_every_row_block_match_the_reference(fmt_name, p
     logits = _logits(Case("random", 40, "random"), ks.routing, 40, g, device)
     weights, ids, _ = ref.route_reference(logits, ks.routing, None)
     expected = ref.quantized_experts_reference(x, weights, ids, s13, s2, ks.weight_format, m.activation)
-    for block_m, pair_ops, swapped in ((16, False, False), (64, False, False), (64, True, False), (64, False, True),
-                                       (64, True, True)):
-        config = replace(ks.config_for(40), block_m=block_m, tail_m=0, tail_split=False, tails_first=False,
-                         half_blocks=False, decode_block_n=0, streams=1, int4_pair_ops=pair_ops,
-                         int4_swapped=swapped)
+    plain = replace(ks.config_for(40), tail_m=0, tail_split=False, tails_first=False, half_blocks=False,
+                    decode_block_n=0, streams=1)
+    # Small blocks' half blocks and tail rows multiply swapped, the weight tile the left operand.
+    for block_m, pair_ops, swapped, half, tail in ((16, False, False, False, 0), (32, False, False, True, 0),
+                                                   (16, False, False, False, 16), (64, False, False, False, 0),
+                                                   (64, True, False, False, 0), (64, False, True, False, 0),
+                                                   (64, True, True, False, 0)):
+        config = replace(plain, block_m=block_m, int4_pair_ops=pair_ops, int4_swapped=swapped, half_blocks=half,
+                         tail_m=tail)
         out = fused_moe(ks, x, logits, s13["weight"], s2["weight"], config=config, **scale_arguments(s13, s2))
         assert ref.relative_error(out, expected) < (1.5e-2 if HAS_GPU else 3e-3), config.key
 
