@@ -62,8 +62,9 @@ def main(out: Path) -> int:
         entries = json.loads(db_file.read_text())["buckets"]
         folder, _ = build(spec_file, Path(tempfile.mkdtemp(prefix="moegen-fingerprint-build-")))
         ks = load_package(folder).KERNELS
-        configs = tuple(fused.KernelConfig(**entries[str(b)]["config"]) for b in ks.buckets)
-        precompile.compile_buckets(replace(ks, configs=configs))
+        buckets = tuple(b for b in ks.buckets if str(b) in entries)  # a file may hold some buckets only
+        configs = tuple(fused.KernelConfig(**entries[str(b)]["config"]) for b in buckets)
+        precompile.compile_buckets(replace(ks, configs=configs, buckets=buckets))
         print(f"{db_file.name}: {len(configs)} buckets compiled ({spec_file.name})", flush=True)
     prints: dict[str, list[str]] = {}
     for ptx in sorted(Path(cache).rglob("*.ptx")):
