@@ -631,7 +631,8 @@ def test_precompiled_build_is_reproducible(sm90_compile_env):
 
 def test_kernel_fingerprint_comparison_counts_identical_variants_per_kernel():
     """tools/kernel_fingerprint.py --compare: per kernel (shape and launch settings aside), the
-    variants compiled before an edit and how many of them compile identically after it."""
+    variants compiled before an edit and how many of them compile identically after it (two
+    buckets' identical variants count twice)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("kernel_fingerprint", REPO / "tools" / "kernel_fingerprint.py")
@@ -640,9 +641,9 @@ def test_kernel_fingerprint_comparison_counts_identical_variants_per_kernel():
     gate_up, other_shape = ("moe_gate_up_silu_bf16_h2048_i768_e128_k8 warps=8 stages=4",
                             "moe_gate_up_gelu_fp32_h40_i24_e6_k2 warps=4 stages=3")
     count = "moe_route_align_silu_bf16_h2048_i768_e128_k8_count warps=4 stages=3"
-    before = {gate_up: ["a", "b"], other_shape: ["c"], count: ["d"]}
-    after = {gate_up: ["b", "a"], other_shape: ["c"], count: ["e"]}
-    assert fingerprint.compare(before, after) == {"moe_gate_up": (3, 3), "moe_route_align_count": (1, 0)}
+    before = {gate_up: ["a", "b", "b"], other_shape: ["c"], count: ["d"]}
+    after = {gate_up: ["b", "a", "b"], other_shape: ["c"], count: ["e"]}
+    assert fingerprint.compare(before, after) == {"moe_gate_up": (4, 4), "moe_route_align_count": (1, 0)}
 
 
 def test_load_returns_one_module_per_build(tmp_path):

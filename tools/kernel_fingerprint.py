@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -88,7 +89,7 @@ def compare(before: dict[str, list[str]], after: dict[str, list[str]]) -> dict[s
     for label, hashes in sorted(before.items()):
         counts = table.setdefault(kernel_of(label), [0, 0])
         counts[0] += len(hashes)
-        counts[1] += len(set(hashes) & set(after.get(label, ())))
+        counts[1] += sum((Counter(hashes) & Counter(after.get(label, ()))).values())  # duplicates count too
     return {kernel: (total, same) for kernel, (total, same) in table.items()}
 
 
