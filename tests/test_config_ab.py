@@ -31,3 +31,25 @@ def test_times_the_config_and_each_variant_or_says_why_not():
 def test_a_field_that_is_not_a_config_field_is_named():
     result = _run("specs/tiny.yaml", "--tokens", "5", "--variant", "blok_m=64")
     assert result.returncode != 0 and "'blok_m=64' is not FIELD=VALUE" in result.stderr
+
+
+@needs_interpreter_numpy
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU smoke run")
+def test_an_entry_runs_on_the_edited_templates_too_and_is_checked_there(tmp_path):
+    """--templates: the entry runs on the kernels an edited copy of templates/ renders, beside the
+    repository's; an edit that doubles GEMM1's output fails its check there and only there."""
+    import shutil
+
+    edited = tmp_path / "templates"
+    shutil.copytree(REPO_ROOT / "templates", edited)
+    gate_up = edited / "moe_gate_up.py.jinja"
+    text = gate_up.read_text()
+    assert text.count("    h = {{ activation_fn }}(acc_gate) * acc_up\n") == 1
+    gate_up.write_text(text.replace("    h = {{ activation_fn }}(acc_gate) * acc_up\n",
+                                    "    h = {{ activation_fn }}(acc_gate) * acc_up * 2\n"))
+    result = _run("specs/tiny.yaml", "--tokens", "5", "--templates", str(edited))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 5 |")]
+    assert len(rows) == 2, result.stdout
+    assert "(cost model)" in rows[0] and rows[0].split("|")[4].strip() == "1.000"
+    assert f"{edited} templates) failed: MoegenError: wrong result" in rows[1]

@@ -18,6 +18,10 @@ cudaProfilerStop, for Nsight Compute to profile just those calls' kernels:
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \\
         python tools/config_ab.py specs/qwen3-30b-a3b-int4.yaml --tokens 1 --profile
 
+With --templates DIR (an edited copy of templates/), each entry also runs on the kernels DIR
+renders, checked and timed in the same turns: the A/B of a template edit, old tree against new,
+that a change of the GEMMs needs before the shipped entries are re-stamped (docs/DESIGN.md).
+
 What this measures says whether a re-tune (`moegen tune SPEC --buckets ... --refine`) is worth
 its device time after a new tuned option lands (docs/PERFORMANCE.md, the ideas table).
 """
@@ -55,6 +59,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE,...",
                         help="fields replaced in the entry (repeatable)")
     parser.add_argument("--cpu-smoke", action="store_true", help="on the CPU, in Triton's interpreter (tiny specs)")
+    parser.add_argument("--templates", type=Path, metavar="DIR",
+                        help="an edited copy of templates/: each entry also runs on the kernels it renders")
     parser.add_argument("--profile", action="store_true",
                         help="then one more call of each config between cudaProfilerStart and Stop (for ncu)")
     args = parser.parse_args(argv)
@@ -64,6 +70,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    from moegen import knobs
     from moegen.ir import lower
     from moegen.plan.configs import default_config, fit_format, violation
     from moegen.spec import load_spec
@@ -88,6 +95,11 @@ def main(argv=None) -> int:
     print("| tokens | config | us | vs entry | % of floor |\n|---:|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory(prefix="moegen-ab-") as workdir:
         kernels = _load_kernels(ir, Path(workdir))
+        edited = None  # the kernels of --templates, a package of its own name
+        if args.templates:
+            with knobs.scope(MOEGEN_TEMPLATE_DIR=str(args.templates.resolve())):
+                edited_ir = dataclasses.replace(ir, spec=dataclasses.replace(ir.spec, name=f"{spec.name}-edited"))
+                edited = _load_kernels(edited_ir, Path(workdir))
         weights = _weights(ir, device)
         for tokens in (int(t) for t in args.tokens.split(",")):
             found = nearest_entry(db, gpu, ir, tokens)
@@ -105,21 +117,29 @@ def main(argv=None) -> int:
                     print(f"| {tokens} | `{config.key}` refused: {refused} | | | |")
                 elif config not in configs:
                     configs.append(config)
-            ran = [c for c in configs if search.measure(c) < float("inf")]
-            means = search.judged_means(ran, routings)
-            for config in configs:
-                if config not in means:
-                    print(f"| {tokens} | `{config.key}` failed: {search.failures.get(config.key, '')} | | | |")
+            # Rows: (label, search, config); the edited templates' entry after the repository's.
+            rows = [(f"`{c.key}`" + (f" ({source})" if c == entry else ""), search, c) for c in configs]
+            if edited is not None:
+                edited_search = _Search(edited, problem, on_gpu, {}, lambda line: print(line, file=sys.stderr))
+                rows.insert(1, (f"`{entry.key}` ({source}, {args.templates} templates)", edited_search, entry))
+            ran = [row for row in rows if row[1].measure(row[2]) < float("inf")]
+            means = dict.fromkeys((label for label, _, _ in ran), 0.0)
+            for sample in routings:  # every row in turn on each routing, as judged_means times
+                for label, timed_by, config in ran:
+                    means[label] += timed_by._time_as_judged(config, sample, bench.JUDGED_TIMING_S) / len(routings)
+            entry_label = rows[0][0]
+            for label, timed_by, config in rows:
+                if label not in means:
+                    print(f"| {tokens} | {label} failed: {timed_by.failures.get(config.key, '')} | | | |")
                     continue
-                ratio = f"{means[config] / means[entry]:.3f}" if entry in means else ""
-                label = f"`{config.key}`" + (f" ({source})" if config == entry else "")
-                print(f"| {tokens} | {label} | {means[config]:.1f} | {ratio} | "
-                      f"{100 * problem.floor_us / means[config]:.1f} |", flush=True)
+                ratio = f"{means[label] / means[entry_label]:.3f}" if entry_label in means else ""
+                print(f"| {tokens} | {label} | {means[label]:.1f} | {ratio} | "
+                      f"{100 * problem.floor_us / means[label]:.1f} |", flush=True)
             if args.profile and on_gpu:
-                for config in means:  # in the order of the table's rows
+                for _, timed_by, config in ran:  # in the order of the table's rows
                     torch.cuda.synchronize()
                     torch.cuda.cudart().cudaProfilerStart()
-                    search._call(config, problem)
+                    timed_by._call(config, problem)
                     torch.cuda.synchronize()
                     torch.cuda.cudart().cudaProfilerStop()
             del problem, routings
