@@ -21,8 +21,8 @@ import json
 import os
 import re
 import sys
-from collections import Counter
 import tempfile
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
