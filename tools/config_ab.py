@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     from moegen.target import current_gpu
     from moegen.tune import bench, db as tuning_db
     from moegen.tune.runner import (CONFIRM_SAMPLES, _load_kernels, _Problem, _Sample, _Search, _weights,
-                                    nearest_entry)
+                                    judged_means, nearest_entry)
 
     on_gpu = torch.cuda.is_available()
     if not (on_gpu or args.cpu_smoke):
@@ -123,10 +123,7 @@ def main(argv=None) -> int:
                 edited_search = _Search(edited, problem, on_gpu, {}, lambda line: print(line, file=sys.stderr))
                 rows.insert(1, (f"`{entry.key}` ({source}, {args.templates} templates)", edited_search, entry))
             ran = [row for row in rows if row[1].measure(row[2]) < float("inf")]
-            means = dict.fromkeys((label for label, _, _ in ran), 0.0)
-            for sample in routings:  # every row in turn on each routing, as judged_means times
-                for label, timed_by, config in ran:
-                    means[label] += timed_by._time_as_judged(config, sample, bench.JUDGED_TIMING_S) / len(routings)
+            means = judged_means({label: (timed_by, config) for label, timed_by, config in ran}, routings)
             entry_label = rows[0][0]
             for label, timed_by, config in rows:
                 if label not in means:

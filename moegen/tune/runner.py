@@ -156,6 +156,17 @@ def _load_kernels(ir: ModelIR, workdir: Path):
     return load(workdir / ir.spec.package_name).KERNELS
 
 
+def judged_means(rows: dict, samples, target_s: float = bench.JUDGED_TIMING_S) -> dict:
+    """Each row's mean microseconds over samples as gpu_check times a call, rows {key: (search,
+    config)} (searches may hold different kernels), sample by sample with every row in turn (so
+    drifting clocks meet them all alike)."""
+    means = dict.fromkeys(rows, 0.0)
+    for sample in samples:
+        for key, (search, config) in rows.items():
+            means[key] += search._time_as_judged(config, sample, target_s) / len(samples)
+    return means
+
+
 class _Search:
     """Coordinate descent over one bucket, remembering failures across buckets."""
 
@@ -177,13 +188,8 @@ class _Search:
         return bench.time_call_evicted(lambda: self._call(config, sample), self.on_gpu, target_s)
 
     def judged_means(self, configs, samples, target_s: float = bench.JUDGED_TIMING_S) -> dict[KernelConfig, float]:
-        """Each config's mean microseconds over samples as gpu_check times a call, sample by
-        sample with every config in turn (so drifting clocks meet them all alike)."""
-        means = dict.fromkeys(configs, 0.0)
-        for sample in samples:
-            for config in configs:
-                means[config] += self._time_as_judged(config, sample, target_s) / len(samples)
-        return means
+        """Each config's mean microseconds over samples (judged_means)."""
+        return judged_means({config: (self, config) for config in configs}, samples, target_s)
 
     def measure(self, config: KernelConfig) -> float:
         """Microseconds per call, or inf if the config fails to compile, launch or verify."""
