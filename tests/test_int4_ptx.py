@@ -41,6 +41,8 @@ def run_ptx(asm: str, registers: dict, dtype) -> dict:
             regs[dest] = value(low) | value(high) << 16
         elif op == "mov.b32":
             regs[dest] = value(ops[0])
+        elif op == "shr.u32":
+            regs[dest] = value(ops[0]) >> value(ops[1])
         elif op == "mul.lo.u32":
             regs[dest] = value(ops[0]) * value(ops[1]) & 0xFFFFFFFF
         elif op == "lop3.b32":
