@@ -13,8 +13,9 @@ in. The weights stay in moegen's int4 layout (moegen.quant.quantize.pack_int4); 
 This is one weight matrix times up to 16 rows: the inner loop of a decode GEMM, not a MoE kernel.
 
     python tools/int4_gluon_probe.py --sass        # CPU: compile for sm_90, count the K loop's SASS
-    PYTHONPATH=. python tools/int4_gluon_probe.py  # GPU: float64 check, time against the read-only
-                                                   # bound of the same bytes and cuBLAS bf16
+    PYTHONPATH=. python tools/int4_gluon_probe.py  # GPU: float64 check; one token's weights of each
+                                                   # spec timed against moegen's int4 layer and the
+                                                   # read-only bound of the same bytes
 """
 import argparse
 import re
@@ -114,8 +115,6 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
 
 
 CONFIGS = ((64, 4, False), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True), (256, 8, True))
-SHAPES = (("Mixtral W13, one expert", 28672, 4096), ("Mixtral W2, one expert", 4096, 14336),
-          ("Qwen3-30B-A3B W13, eight experts", 12288, 2048))
 
 
 def loop_counts(cubin: bytes) -> tuple[int, Counter]:
@@ -152,51 +151,99 @@ def sass_report() -> None:
               f"{weights} weights a thread: {total / weights:.2f} a weight; {dict(ops.most_common(8))}")
 
 
-def gpu_report() -> None:
-    from moegen.bench.roofline import Timer, read_only_us
+def _probe_us(timer, words, scale, x, rows: int) -> tuple[float, float, str]:
+    """The fastest of CONFIGS on words [N, K / 8] (microseconds), its relative error against
+    float64 and its name."""
+    n, k = words.shape[0], words.shape[1] * 8
+    q = torch.stack((words.view(torch.uint8) & 0xF, words.view(torch.uint8) >> 4), dim=-1).reshape(n, k)
+    ref = x[:rows].double() @ ((q.double() - 8) * scale.double().repeat_interleave(GROUP_SIZE, dim=1)).T
+    best = (float("inf"), 0.0, "")
+    for block_n, warps, prefetch in CONFIGS:
+        out = torch.empty(16, n, device="cuda", dtype=torch.float32)
+
+        def call():
+            int4_tile_gemm[(n // block_n,)](words, x, scale, out, rows, K=k, N=n, BLOCK_N=block_n,
+                                            NUM_WARPS=warps, PREFETCH=prefetch, num_warps=warps)
+
+        call()
+        torch.cuda.synchronize()
+        err = ((out[:rows].double() - ref).norm() / ref.norm()).item()
+        us = timer.median_us(call)
+        wrong = not err < 1e-4  # float32 sums of exact products: ~1e-6
+        print(f"    BLOCK_N {block_n:3d}, {warps} warps, prefetch {int(prefetch)}: {us:7.1f} us, err {err:.1e}"
+              + (" WRONG" if wrong else ""), flush=True)
+        if not wrong:
+            best = min(best, (us, err, f"{block_n}/{warps}/{int(prefetch)}"))
+    return best
+
+
+def _random_words(n: int, k: int):
+    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+    scale = (torch.rand(n, k // GROUP_SIZE, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
+    return pack_words(q), scale
+
+
+def pack_words(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] nibbles in moegen's int4 layout, as the int32 words the probe loads."""
     from moegen.quant.quantize import pack_int4
+
+    return pack_int4(q[None])[0].view(torch.int32)
+
+
+def gpu_report(specs: list[str]) -> None:
+    """Per spec, one token: moegen's int4 layer (routing, both GEMMs, the reduction) against the
+    probe on the same weight bytes (the top-k experts' W13 and W2 stacked along N), both against
+    the read-only bound of those bytes; then the probe alone at 16 rows."""
+    import tempfile
+
+    from moegen import load
+    from moegen.bench.cells import Workload
+    from moegen.bench.roofline import Timer, read_only_us
+    from moegen.package import build
 
     torch.manual_seed(0)
     timer = Timer(torch.device("cuda"))
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-    for name, n, k in SHAPES:
-        q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
-        scale = (torch.rand(n, k // GROUP, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
-        words = pack_int4(q[None])[0].view(torch.int32)
-        nbytes = words.numel() * 4 + scale.numel() * 2
-        read_only = read_only_us(timer, nbytes)
-        weight = (q.double() - 8) * scale.double().repeat_interleave(GROUP_SIZE, dim=1)
-        weight_bf16 = weight.to(torch.bfloat16)
-        for rows in (1, 16):
-            x = torch.zeros(16, k, device="cuda", dtype=torch.bfloat16)
-            x[:rows] = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
-            ref = x[:rows].double() @ weight.T
-            cublas = timer.median_us(lambda: x[:rows] @ weight_bf16.T)
-            print(f"{name} (N {n}, K {k}), {rows} rows: read-only {read_only:.1f} us "
-                  f"({nbytes / read_only / 1e3:.0f} GB/s), cuBLAS bf16 {cublas:.1f} us", flush=True)
-            for block_n, warps, prefetch in CONFIGS:
-                out = torch.empty(16, n, device="cuda", dtype=torch.float32)
-
-                def call():
-                    int4_tile_gemm[(n // block_n,)](words, x, scale, out, rows, K=k, N=n, BLOCK_N=block_n,
-                                                    NUM_WARPS=warps, PREFETCH=prefetch, num_warps=warps)
-
-                call()
-                torch.cuda.synchronize()
-                err = ((out[:rows].double() - ref).norm() / ref.norm()).item()
-                us = timer.median_us(call)
-                print(f"  BLOCK_N {block_n:3d}, {warps} warps, prefetch {int(prefetch)}: {us:7.1f} us = "
-                      f"{us / read_only:.2f}x read-only, {cublas / us:.2f}x cuBLAS bf16, err {err:.1e}", flush=True)
+    for spec in specs:
+        pkg = load(build(Path(spec), Path(tempfile.mkdtemp(prefix="int4-probe-")))[0])
+        m = pkg.SPEC.model
+        work = Workload(pkg, torch.device("cuda"), 79)
+        x1, logits = work.inputs(1)
+        layer_us = timer.median_us(lambda: work.kernel_call(x1, logits, work.w13, work.w2))
+        stored = work.stored(work.w13, work.w2)
+        layer_bytes = sum(t.nbytes for part in stored for t in part.values()) * m.top_k // m.num_experts
+        del work
+        shapes = (("W13", m.top_k * 2 * m.intermediate_size, m.hidden_size),
+                  ("W2", m.top_k * m.hidden_size, m.intermediate_size))
+        probe_us, probe_bytes = 0.0, 0
+        x = torch.zeros(16, max(k for _, _, k in shapes), device="cuda", dtype=torch.bfloat16)
+        x.normal_()
+        for name, n, k in shapes:
+            words, scale = _random_words(n, k)
+            print(f"  {spec} {name} of the top {m.top_k} experts (N {n}, K {k}), one row:", flush=True)
+            us, err, _ = _probe_us(timer, words, scale, x[:, :k].contiguous(), 1)
+            probe_us += us
+            probe_bytes += words.nbytes + scale.nbytes
+            for rows in (16,):
+                print(f"  the same, {rows} rows:", flush=True)
+                _probe_us(timer, words, scale, x[:, :k].contiguous(), rows)
+        read_only = read_only_us(timer, layer_bytes)
+        print(f"{spec}, one token: moegen int4 layer {layer_us:.1f} us ({layer_us / read_only:.2f}x read-only of "
+              f"its {layer_bytes / 1e6:.1f} MB); probe W13 + W2 {probe_us:.1f} us ({probe_us / read_only:.2f}x, "
+              f"{probe_bytes / 1e6:.1f} MB, no routing, activation or reduction); read-only {read_only:.1f} us",
+              flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU needed) and count the K loop")
+    parser.add_argument("--specs", default="specs/mixtral-8x7b-int4.yaml,specs/qwen3-30b-a3b-int4.yaml",
+                        help="int4 specs whose one-token layer is compared (comma-separated)")
     args = parser.parse_args()
     if args.sass:
         sass_report()
     elif torch.cuda.is_available():
-        gpu_report()
+        gpu_report(args.specs.split(","))
     else:
         print("no GPU: run with --sass to count instructions, or on a GPU to check and time", file=sys.stderr)
         return 2
