@@ -1,7 +1,8 @@
 """tools/int4_gluon_probe.py runs only on a GPU; here its arithmetic is modelled on the CPU: the
 unpacking PTX (the PTX model of test_int4_ptx) on random words, the outputs joined, split and
-permuted as the kernel does with its own orders, the activations permuted with theirs, and the
-product must be the float64 product of the weights in moegen's int4 layout. The kernel itself is
+permuted as the kernel does with its own orders, the activations permuted with theirs (not for
+the repacked words), and the product must be the float64 product of the weights in moegen's int4
+layout. The kernel itself is
 compiled for sm_90 (no GPU needed): its layout conversion to the MMA operand must be trivial."""
 from __future__ import annotations
 
@@ -49,18 +50,23 @@ def _unpacked(probe, words: torch.Tensor) -> torch.Tensor:
     return out.reshape(kb, lanes, n, 2, 2, 2).permute(0, 1, 2, 5, 4, 3)
 
 
-def test_probe_arithmetic_is_the_int4_product(probe):
+@pytest.mark.parametrize("repack", [False, True])
+def test_probe_arithmetic_is_the_int4_product(probe, repack):
     g = torch.Generator().manual_seed(80)
     n, k, block_k = 8, 256, probe.GROUP_SIZE
     kb = block_k // 32
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     x = torch.randn(3, k, generator=g, dtype=torch.float64)
     words = pack_int4(q[None])[0].view(torch.int32)  # [N, K / 8]
+    if repack:
+        words = probe.repacked(words)
     total = torch.zeros(3, n, dtype=torch.float64)
     for k0 in range(0, k, block_k):
         step = words[:, k0 // 8:(k0 + block_k) // 8].reshape(n, 4, kb).permute(2, 1, 0)  # (b, t, n): word 4 t + b
         w = _unpacked(probe, step).reshape(kb // 2, 2, 4, n, 2, 2, 2).permute(*probe.WEIGHT_ORDER.value)
-        xs = x[:, k0:k0 + block_k].reshape(3, 4, kb, 2, 2, 2).permute(*probe.ACTIVATION_ORDER.value)
+        xs = x[:, k0:k0 + block_k]
+        if not repack:  # the kernel's permutation of the activations into the nibbles' order
+            xs = xs.reshape(3, 4, kb, 2, 2, 2).permute(*probe.ACTIVATION_ORDER.value)
         part = xs.reshape(3, block_k) @ w.reshape(block_k, n)
         total += part - 136.0 * x[:, k0:k0 + block_k].sum(dim=1, keepdim=True)
     torch.testing.assert_close(total, x @ (q.double() - 8).T, rtol=1e-12, atol=1e-9)
@@ -75,6 +81,6 @@ def test_probe_compiles_for_hopper_with_its_operand_in_place(probe, tmp_path):
     run = subprocess.run([sys.executable, str(TOOL), "--sass"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == len(probe.CONFIGS)
+    assert len(lines) == 2 * len(probe.CONFIGS)  # moegen's layout and the repacked one
     for line in lines:
         assert "'HMMA'" in line, line

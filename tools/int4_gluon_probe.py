@@ -55,9 +55,11 @@ ACTIVATION_ORDER = gl.constexpr((0, 2, 4, 5, 1, 3))
 
 @gluon.jit
 def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr):
+                   BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr,
+                   REPACKED: gl.constexpr):
     """out[:rows, n0:n0 + BLOCK_N] = x[:rows] @ ((q - 8) * scale)^T for q in moegen's int4 bytes
-    [N, K / 2], scales [N, K / GROUP]; x and out have 16 rows."""
+    [N, K / 2] (or, REPACKED, those bytes in the MMA's order: repacked()), scales [N, K / GROUP];
+    x and out have 16 rows."""
     BLOCK_K: gl.constexpr = GROUP
     KB: gl.constexpr = BLOCK_K // 32  # words a thread loads per column and step
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -99,11 +101,12 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
                     gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))  # [KB, 4, BLOCK_N, c, a, d]
         w = gl.permute(gl.reshape(w, [KB // 2, 2, 4, BLOCK_N, 2, 2, 2]), WEIGHT_ORDER.value)
         w = gl.convert_layout(gl.reshape(w, [BLOCK_K, BLOCK_N]), b_layout, assert_trivial=True)
-        # The activations in the same order: input 32 t + 8 b + 4 e + 2 a + c to L = 32 b + 16 a
-        # + 8 c + 2 t + e.
+        # Unless REPACKED (L is the input itself), the activations in the same order: input
+        # 32 t + 8 b + 4 e + 2 a + c to L = 32 b + 16 a + 8 c + 2 t + e.
         x = gl.load(x_ptrs + k, mask=x_mask, other=0.0)
         x_sum = gl.convert_layout(gl.sum(x.to(gl.float32), axis=1), gl.SliceLayout(1, mma))
-        x = gl.reshape(gl.permute(gl.reshape(x, [16, 4, KB, 2, 2, 2]), ACTIVATION_ORDER.value), [16, BLOCK_K])
+        if not REPACKED:
+            x = gl.reshape(gl.permute(gl.reshape(x, [16, 4, KB, 2, 2, 2]), ACTIVATION_ORDER.value), [16, BLOCK_K])
         gl.thread_barrier()  # the previous step's LDSMs are done with the buffer
         x_smem.store(x)
         gl.thread_barrier()
@@ -115,6 +118,20 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
 
 
 CONFIGS = ((64, 4, False), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True), (256, 8, True))
+
+
+def repacked(words: torch.Tensor) -> torch.Tensor:
+    """Words [N, K / 8] of moegen's int4 layout with each group's nibbles moved to where the probe
+    reads MMA input L: word 4 t + b of a group, nibble 4 q + 16 e holds input
+    32 b + 16 (q >> 1) + 8 (q & 1) + 2 t + e (the layout a repack at load time would store)."""
+    n, k = words.shape[0], words.shape[1] * 8
+    q = torch.stack((words.view(torch.uint8) & 0xF, words.view(torch.uint8) >> 4), dim=-1).reshape(n, k // GROUP_SIZE, -1)
+    t, b, j, e = torch.meshgrid(*(torch.arange(s) for s in (4, GROUP_SIZE // 32, 4, 2)), indexing="ij")
+    source = (32 * b + 16 * (j >> 1) + 8 * (j & 1) + 2 * t + e).reshape(-1).to(words.device)
+    nibbles = q[:, :, source].reshape(n, k // GROUP_SIZE, 4 * GROUP_SIZE // 32, 4, 2).to(torch.int64)
+    shifts = (4 * torch.arange(4)[:, None] + 16 * torch.arange(2)[None, :]).to(words.device)
+    packed = (nibbles << shifts).sum(dim=(-2, -1))
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32).reshape(n, k // 8)
 
 
 def loop_counts(cubin: bytes) -> tuple[int, Counter]:
@@ -139,41 +156,46 @@ def sass_report() -> None:
 
     signature = {"w_ptr": "*i32", "x_ptr": "*bf16", "scale_ptr": "*bf16", "out_ptr": "*fp32", "rows": "i32",
                  "K": "constexpr", "N": "constexpr", "BLOCK_N": "constexpr", "NUM_WARPS": "constexpr",
-                 "PREFETCH": "constexpr"}
-    for block_n, warps, prefetch in CONFIGS:
-        src = GluonASTSource(int4_tile_gemm, signature, attrs={(i,): [["tt.divisibility", 16]] for i in range(4)},
-                             constexprs={"K": 4096, "N": 28672, "BLOCK_N": block_n, "NUM_WARPS": warps,
-                                         "PREFETCH": prefetch})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        total, ops = loop_counts(kernel.asm["cubin"])
-        weights = GROUP_SIZE * block_n // (32 * warps)
-        print(f"BLOCK_N {block_n:3d}, {warps} warps, prefetch {int(prefetch)}: {total} instructions a K step, "
-              f"{weights} weights a thread: {total / weights:.2f} a weight; {dict(ops.most_common(8))}")
+                 "PREFETCH": "constexpr", "REPACKED": "constexpr"}
+    for repack in (False, True):
+        for block_n, warps, prefetch in CONFIGS:
+            src = GluonASTSource(int4_tile_gemm, signature,
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in range(4)},
+                                 constexprs={"K": 4096, "N": 28672, "BLOCK_N": block_n, "NUM_WARPS": warps,
+                                             "PREFETCH": prefetch, "REPACKED": repack})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            total, ops = loop_counts(kernel.asm["cubin"])
+            weights = GROUP_SIZE * block_n // (32 * warps)
+            print(f"{'repacked' if repack else 'moegen'} layout, BLOCK_N {block_n:3d}, {warps} warps, prefetch "
+                  f"{int(prefetch)}: {total} instructions a K step, {weights} weights a thread: "
+                  f"{total / weights:.2f} a weight; {dict(ops.most_common(8))}")
 
 
-def _probe_us(timer, words, scale, x, rows: int) -> tuple[float, float, str]:
-    """The fastest of CONFIGS on words [N, K / 8] (microseconds), its relative error against
-    float64 and its name."""
+def _probe_us(timer, words, scale, x, rows: int) -> float:
+    """The fastest of CONFIGS on words [N, K / 8] of moegen's layout and on them repacked
+    (microseconds), each checked against float64 (a wrong one is not counted)."""
     n, k = words.shape[0], words.shape[1] * 8
     q = torch.stack((words.view(torch.uint8) & 0xF, words.view(torch.uint8) >> 4), dim=-1).reshape(n, k)
     ref = x[:rows].double() @ ((q.double() - 8) * scale.double().repeat_interleave(GROUP_SIZE, dim=1)).T
-    best = (float("inf"), 0.0, "")
-    for block_n, warps, prefetch in CONFIGS:
-        out = torch.empty(16, n, device="cuda", dtype=torch.float32)
+    best = float("inf")
+    for repack, stored in ((False, words), (True, repacked(words))):
+        for block_n, warps, prefetch in CONFIGS:
+            out = torch.empty(16, n, device="cuda", dtype=torch.float32)
 
-        def call():
-            int4_tile_gemm[(n // block_n,)](words, x, scale, out, rows, K=k, N=n, BLOCK_N=block_n,
-                                            NUM_WARPS=warps, PREFETCH=prefetch, num_warps=warps)
+            def call():
+                int4_tile_gemm[(n // block_n,)](stored, x, scale, out, rows, K=k, N=n, BLOCK_N=block_n,
+                                                NUM_WARPS=warps, PREFETCH=prefetch, REPACKED=repack,
+                                                num_warps=warps)
 
-        call()
-        torch.cuda.synchronize()
-        err = ((out[:rows].double() - ref).norm() / ref.norm()).item()
-        us = timer.median_us(call)
-        wrong = not err < 1e-4  # float32 sums of exact products: ~1e-6
-        print(f"    BLOCK_N {block_n:3d}, {warps} warps, prefetch {int(prefetch)}: {us:7.1f} us, err {err:.1e}"
-              + (" WRONG" if wrong else ""), flush=True)
-        if not wrong:
-            best = min(best, (us, err, f"{block_n}/{warps}/{int(prefetch)}"))
+            call()
+            torch.cuda.synchronize()
+            err = ((out[:rows].double() - ref).norm() / ref.norm()).item()
+            us = timer.median_us(call)
+            wrong = not err < 1e-4  # float32 sums of exact products: ~1e-6
+            print(f"    {'repacked' if repack else 'moegen'} layout, BLOCK_N {block_n:3d}, {warps} warps, prefetch "
+                  f"{int(prefetch)}: {us:7.1f} us, err {err:.1e}" + (" WRONG" if wrong else ""), flush=True)
+            if not wrong:
+                best = min(best, us)
     return best
 
 
@@ -221,8 +243,7 @@ def gpu_report(specs: list[str]) -> None:
         for name, n, k in shapes:
             words, scale = _random_words(n, k)
             print(f"  {spec} {name} of the top {m.top_k} experts (N {n}, K {k}), one row:", flush=True)
-            us, err, _ = _probe_us(timer, words, scale, x[:, :k].contiguous(), 1)
-            probe_us += us
+            probe_us += _probe_us(timer, words, scale, x[:, :k].contiguous(), 1)
             probe_bytes += words.nbytes + scale.nbytes
             for rows in (16,):
                 print(f"  the same, {rows} rows:", flush=True)
