@@ -50,10 +50,11 @@ def _unpacked(probe, words: torch.Tensor) -> torch.Tensor:
     return out.reshape(kb, lanes, n, 2, 2, 2).permute(0, 1, 2, 5, 4, 3)
 
 
-@pytest.mark.parametrize("repack", [False, True])
-def test_probe_arithmetic_is_the_int4_product(probe, repack):
+@pytest.mark.parametrize("repack, block_k", [(False, 128), (True, 128), (False, 64)])
+def test_probe_arithmetic_is_the_int4_product(probe, repack, block_k):
+    """block_k 64: the decode kernel's GEMM2 steps over slices of 64 intermediate columns."""
     g = torch.Generator().manual_seed(80)
-    n, k, block_k = 8, 256, probe.GROUP_SIZE
+    n, k = 8, 256
     kb = block_k // 32
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     x = torch.randn(3, k, generator=g, dtype=torch.float64)
@@ -62,7 +63,7 @@ def test_probe_arithmetic_is_the_int4_product(probe, repack):
         words = probe.repacked(words)
     total = torch.zeros(3, n, dtype=torch.float64)
     for k0 in range(0, k, block_k):
-        step = words[:, k0 // 8:(k0 + block_k) // 8].reshape(n, 4, kb).permute(2, 1, 0)  # (b, t, n): word 4 t + b
+        step = words[:, k0 // 8:(k0 + block_k) // 8].reshape(n, 4, kb).permute(2, 1, 0)  # (b, t, n): word KB t + b
         w = _unpacked(probe, step).reshape(kb // 2, 2, 4, n, 2, 2, 2).permute(*probe.WEIGHT_ORDER.value)
         xs = x[:, k0:k0 + block_k]
         if not repack:  # the kernel's permutation of the activations into the nibbles' order
@@ -81,6 +82,8 @@ def test_probe_compiles_for_hopper_with_its_operand_in_place(probe, tmp_path):
     run = subprocess.run([sys.executable, str(TOOL), "--sass"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 2 * len(probe.CONFIGS)  # moegen's layout and the repacked one
-    for line in lines:
+    tiles = [line for line in lines if " layout, " in line]  # moegen's layout and the repacked one
+    decodes = [line for line in lines if line.startswith("decode ")]
+    assert len(tiles) == 2 * len(probe.CONFIGS) and len(decodes) == len(probe.DECODE_SHAPES), lines
+    for line in tiles + decodes:
         assert "'HMMA'" in line, line

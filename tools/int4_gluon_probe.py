@@ -117,6 +117,138 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
     gl.store(out_ptr + om[:, None] * N + on_out[None, :], acc)
 
 
+@gluon.jit
+def _word_offsets(BLOCK_N: gl.constexpr, KB: gl.constexpr, w_layout: gl.constexpr):
+    """The rows n of a step's words [KB, 4, BLOCK_N], and each word's offset within its row's step
+    (word KB t + b)."""
+    ob = gl.arange(0, KB, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
+    ot = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
+    on = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
+    return on, ot[None, :, None] * KB + ob[:, None, None]
+
+
+@gluon.jit
+def _b_operand(words, KB: gl.constexpr, BLOCK_N: gl.constexpr, b_layout: gl.constexpr):
+    """The MMA's B operand [32 KB, BLOCK_N] (128 + nibble, bf16) of a step's words [KB, 4, BLOCK_N]."""
+    o = gl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                  dtype=[gl.bfloat16] * 8, is_pure=True, pack=2)
+    w = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])),
+                gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+    w = gl.permute(gl.reshape(w, [KB // 2, 2, 4, BLOCK_N, 2, 2, 2]), WEIGHT_ORDER.value)
+    return gl.convert_layout(gl.reshape(w, [32 * KB, BLOCK_N]), b_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _nibble_order(x, KB: gl.constexpr):
+    """Activations [16, 32 KB] permuted into the order _b_operand's inputs come in."""
+    return gl.reshape(gl.permute(gl.reshape(x, [16, 4, KB, 2, 2, 2]), ACTIVATION_ORDER.value), [16, 32 * KB])
+
+
+@gluon.jit
+def _group_offset(s_ptr, z_ptr, rows, group, groups: gl.constexpr, ZERO_POINT: gl.constexpr):
+    """Scales (float32) and 128 + zero points of `rows` for one group."""
+    scale = gl.load(s_ptr + rows * groups + group).to(gl.float32)
+    if ZERO_POINT:
+        offset = gl.load(z_ptr + rows * groups + group).to(gl.float32) + 128.0
+    else:
+        offset = gl.full(scale.shape, 136.0, gl.float32, layout=scale.type.layout)
+    return scale, offset
+
+
+@gluon.jit
+def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w2_ptr, s2_ptr, z2_ptr, work_ptr,
+                       T, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr,
+                       ZERO_POINT: gl.constexpr):
+    """A MoE layer's experts for up to 16 tokens whose picks are given (ids, weights [T, TOP_K]):
+    program (e, s) takes expert e's slice s of BLOCK_N (<= GROUP) intermediate columns for the
+    tokens that picked e, GEMM1 (gate and up, one staging of the activations), the SiLU, the
+    router weights, then GEMM2 of the slice over H in chunks of BLOCK_H, added into the float32
+    work [T, H] (zeroed before). Weights in moegen's int4 layout: w13 [E, 2I, H / 2] bytes,
+    w2 [E, H, I / 2], scales and zero points [E, rows, inputs / GROUP]."""
+    KB: gl.constexpr = GROUP // 32
+    KB2: gl.constexpr = BLOCK_N // 32
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
+    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    rows_mma: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_mma: gl.constexpr = gl.SliceLayout(0, mma)
+
+    expert = gl.program_id(0)
+    n0 = gl.program_id(1) * BLOCK_N
+    # Which tokens picked this expert, with what weight (programs of unpicked experts end here).
+    pm = gl.arange(0, 16, layout=gl.SliceLayout(1, pick_layout))
+    pk = gl.arange(0, K_PAD, layout=gl.SliceLayout(0, pick_layout))
+    pick_ok = (pm < T)[:, None] & (pk < TOP_K)[None, :]
+    ids = gl.load(ids_ptr + pm[:, None] * TOP_K + pk[None, :], mask=pick_ok, other=-1)
+    chose = ids == expert
+    if gl.max(gl.max(chose.to(gl.int32), axis=1), axis=0) == 0:
+        return
+    row_weight = gl.sum(gl.where(chose, gl.load(weights_ptr + pm[:, None] * TOP_K + pk[None, :], mask=pick_ok,
+                                                other=0.0).to(gl.float32), 0.0), axis=1)
+    row_weight = gl.convert_layout(row_weight, rows_mma)
+
+    # GEMM1: the gate and up rows n0.. and I + n0.. of W13[expert], over H in groups.
+    e64 = expert.to(gl.int64)
+    on, step_words = _word_offsets(BLOCK_N, KB, w_layout)
+    gate_words = w13_ptr + e64 * (2 * I * (H // 8)) + (n0 + on)[None, None, :] * (H // 8) + step_words
+    up_words = gate_words + I * (H // 8)
+    sn = n0 + gl.arange(0, BLOCK_N, layout=cols_mma)
+    groups1: gl.constexpr = H // GROUP
+    s13 = s13_ptr + e64 * (2 * I * groups1)
+    z13 = z13_ptr + e64 * (2 * I * groups1)
+    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_layout))
+    x_ptrs = x_ptr + xm[:, None] * H + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
+    x_mask = (xm < T)[:, None]
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, GROUP], smem)
+    gate = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    up = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    for k in range(0, H, GROUP):
+        w_gate = _b_operand(gl.load(gate_words + k // 8), KB, BLOCK_N, b_layout)
+        w_up = _b_operand(gl.load(up_words + k // 8), KB, BLOCK_N, b_layout)
+        g_scale, g_offset = _group_offset(s13, z13, sn, k // GROUP, groups1, ZERO_POINT)
+        u_scale, u_offset = _group_offset(s13, z13, I + sn, k // GROUP, groups1, ZERO_POINT)
+        x = gl.load(x_ptrs + k, mask=x_mask, other=0.0)
+        x_sum = gl.convert_layout(gl.sum(x.to(gl.float32), axis=1), rows_mma)
+        gl.thread_barrier()
+        x_smem.store(_nibble_order(x, KB))
+        gl.thread_barrier()
+        a = x_smem.load(a_layout)
+        part = mma_v2(a, w_gate, gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
+        gate += (part - x_sum[:, None] * g_offset[None, :]) * g_scale[None, :]
+        part = mma_v2(a, w_up, gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
+        up += (part - x_sum[:, None] * u_offset[None, :]) * u_scale[None, :]
+
+    # The slice of the intermediate, router-weighted and rounded to bf16 as the three-kernel path
+    # stores it, staged once as GEMM2's A operand.
+    h = (gate / (1.0 + gl.exp(-gate)) * up * row_weight[:, None]).to(gl.bfloat16)
+    h_sum = gl.sum(h.to(gl.float32), axis=1)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], smem)
+    h_smem.store(_nibble_order(gl.convert_layout(h, x_layout), KB2))
+    gl.thread_barrier()
+    h_a = h_smem.load(a_layout)
+
+    # GEMM2: rows h0.. of W2[expert], inputs n0.. (one group), added into the work rows.
+    oh, step_words2 = _word_offsets(BLOCK_H, KB2, w2_layout)
+    w2_words = w2_ptr + e64 * (H * (I // 8)) + oh[None, None, :] * (I // 8) + n0 // 8 + step_words2
+    groups2: gl.constexpr = I // GROUP
+    s2 = s2_ptr + e64 * (H * groups2)
+    z2 = z2_ptr + e64 * (H * groups2)
+    om = gl.arange(0, 16, layout=rows_mma)
+    sh = gl.arange(0, BLOCK_H, layout=cols_mma)
+    for h0 in range(0, H, BLOCK_H):
+        w = _b_operand(gl.load(w2_words + h0 * (I // 8)), KB2, BLOCK_H, b_layout)
+        scale, offset = _group_offset(s2, z2, h0 + sh, n0 // GROUP, groups2, ZERO_POINT)
+        part = mma_v2(h_a, w, gl.zeros([16, BLOCK_H], gl.float32, layout=mma))
+        y = (part - h_sum[:, None] * offset[None, :]) * scale[None, :]
+        gl.atomic_add(work_ptr + om[:, None] * H + (h0 + sh)[None, :], y, mask=(om < T)[:, None], sem="relaxed")
+
+
 CONFIGS = ((64, 4, False), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True), (256, 8, True))
 
 
@@ -169,6 +301,17 @@ def sass_report() -> None:
             print(f"{'repacked' if repack else 'moegen'} layout, BLOCK_N {block_n:3d}, {warps} warps, prefetch "
                   f"{int(prefetch)}: {total} instructions a K step, {weights} weights a thread: "
                   f"{total / weights:.2f} a weight; {dict(ops.most_common(8))}")
+    decode_signature = {"x_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32", "w13_ptr": "*i32",
+                        "s13_ptr": "*bf16", "z13_ptr": "*u8", "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8",
+                        "work_ptr": "*fp32", "T": "i32", **{name: "constexpr" for name in DECODE_SHAPES[0][1]}}
+    for name, shape in DECODE_SHAPES:
+        src = GluonASTSource(int4_decode_routed, decode_signature, constexprs=shape,
+                             attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape["NUM_WARPS"]})
+        total, ops = loop_counts(kernel.asm["cubin"])
+        weights = 2 * GROUP_SIZE * shape["BLOCK_N"] // (32 * shape["NUM_WARPS"])
+        print(f"decode {name}: GEMM1 {total} instructions a K step (gate and up), {weights} weights a thread: "
+              f"{total / weights:.2f} a weight; {dict(ops.most_common(8))}")
 
 
 def _probe_us(timer, words, scale, x, rows: int) -> float:
@@ -215,7 +358,7 @@ def pack_words(q: torch.Tensor) -> torch.Tensor:
 def gpu_report(specs: list[str]) -> None:
     """Per spec, one token: moegen's int4 layer (routing, both GEMMs, the reduction) against the
     probe on the same weight bytes (the top-k experts' W13 and W2 stacked along N), both against
-    the read-only bound of those bytes; then the probe alone at 16 rows."""
+    the read-only bound of those bytes; then the Gluon decode kernel against fused_experts."""
     import tempfile
 
     from moegen import load
@@ -224,7 +367,7 @@ def gpu_report(specs: list[str]) -> None:
     from moegen.package import build
 
     torch.manual_seed(0)
-    timer = Timer(torch.device("cuda"))
+    timer = Timer(torch.device("cuda"), quick=True)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     for spec in specs:
         pkg = load(build(Path(spec), Path(tempfile.mkdtemp(prefix="int4-probe-")))[0])
@@ -245,14 +388,71 @@ def gpu_report(specs: list[str]) -> None:
             print(f"  {spec} {name} of the top {m.top_k} experts (N {n}, K {k}), one row:", flush=True)
             probe_us += _probe_us(timer, words, scale, x[:, :k].contiguous(), 1)
             probe_bytes += words.nbytes + scale.nbytes
-            for rows in (16,):
-                print(f"  the same, {rows} rows:", flush=True)
-                _probe_us(timer, words, scale, x[:, :k].contiguous(), rows)
         read_only = read_only_us(timer, layer_bytes)
         print(f"{spec}, one token: moegen int4 layer {layer_us:.1f} us ({layer_us / read_only:.2f}x read-only of "
               f"its {layer_bytes / 1e6:.1f} MB); probe W13 + W2 {probe_us:.1f} us ({probe_us / read_only:.2f}x, "
               f"{probe_bytes / 1e6:.1f} MB, no routing, activation or reduction); read-only {read_only:.1f} us",
               flush=True)
+        decode_report(timer, spec)
+
+
+DECODE_SHAPES = (("Mixtral-8x7B", dict(H=4096, I=14336, TOP_K=2, K_PAD=2, BLOCK_N=128, BLOCK_H=256, NUM_WARPS=4,
+                                        ZERO_POINT=True)),
+                 ("Qwen3-30B-A3B", dict(H=2048, I=768, TOP_K=8, K_PAD=8, BLOCK_N=64, BLOCK_H=128, NUM_WARPS=4,
+                                         ZERO_POINT=False)))
+DECODE_CONFIGS = ((128, 256, 4), (128, 128, 4), (64, 256, 4), (64, 128, 4), (128, 256, 8))
+
+
+def decode_report(timer, spec: str) -> None:
+    """int4_decode_routed against moegen's fused_experts (int4, the same picks and stored
+    weights) at 1, 8 and 16 tokens, both checked against the float64 reference of the layer,
+    with the read-only bound of the picked experts' bytes."""
+    import tempfile
+
+    from moegen import load
+    from moegen.bench.cells import Workload
+    from moegen.bench.roofline import read_only_us
+    from moegen.package import build
+    from moegen.reference import relative_error
+    from moegen.runtime.routing import route
+
+    pkg = load(build(Path(spec), Path(tempfile.mkdtemp(prefix="int4-probe-")))[0])
+    m = pkg.SPEC.model
+    work = Workload(pkg, torch.device("cuda"), 80)
+    stored13, stored2 = work.stored(work.w13, work.w2)
+    zero_point = "zero" in stored13
+    tensors = (stored13["weight"].view(torch.int32), stored13["scale"], stored13.get("zero", stored13["scale"]),
+               stored2["weight"].view(torch.int32), stored2["scale"], stored2.get("zero", stored2["scale"]))
+    expert_bytes = sum(t.nbytes for part in (stored13, stored2) for t in part.values()) // m.num_experts
+    k_pad = triton.next_power_of_2(m.top_k)
+    for tokens in (1, 8, 16):
+        x, logits = work.inputs(tokens)
+        weights, ids = route(logits, pkg.KERNELS.routing, work.bias)
+        ref = work.reference(x, logits, work.w13, work.w2)
+        peer = lambda: work.experts_call(x, weights, ids, work.w13, work.w2)  # noqa: E731
+        pick_weights, pick_ids = weights.float().contiguous(), ids.to(torch.int32).contiguous()
+        peer_err = relative_error(peer(), ref)
+        peer_us = timer.median_us(peer)
+        read_only = read_only_us(timer, ids.unique().numel() * expert_bytes)
+        print(f"{spec}, {tokens} tokens: moegen fused_experts int4 {peer_us:.1f} us "
+              f"({peer_us / read_only:.2f}x read-only {read_only:.1f} us), err {peer_err:.1e}", flush=True)
+        for block_n, block_h, warps in DECODE_CONFIGS:
+            if m.intermediate_size % block_n or m.hidden_size % block_h:
+                continue
+            out = torch.zeros(tokens, m.hidden_size, device="cuda", dtype=torch.float32)
+
+            def call():
+                out.zero_()
+                int4_decode_routed[(m.num_experts, m.intermediate_size // block_n)](
+                    x, pick_ids, pick_weights, *tensors, out, tokens, H=m.hidden_size,
+                    I=m.intermediate_size, TOP_K=m.top_k, K_PAD=k_pad, BLOCK_N=block_n, BLOCK_H=block_h,
+                    NUM_WARPS=warps, ZERO_POINT=zero_point, num_warps=warps)
+
+            call()
+            err = relative_error(out.to(x.dtype), ref)
+            us = timer.median_us(call)
+            print(f"  Gluon decode BLOCK_N {block_n}, BLOCK_H {block_h}, {warps} warps: {us:.1f} us "
+                  f"({us / read_only:.2f}x read-only, {peer_us / us:.2f}x fused_experts), err {err:.1e}", flush=True)
 
 
 def main() -> int:
