@@ -10,12 +10,16 @@ in. The weights stay in moegen's int4 layout (moegen.quant.quantize.pack_int4); 
 128 + nibble exactly, and each group's 128-input tile is finished in float32 as
 (product - (128 + zero) * sum of the activations) * scale.
 
-This is one weight matrix times up to 16 rows: the inner loop of a decode GEMM, not a MoE kernel.
+int4_tile_gemm is one weight matrix times up to 16 rows (a decode GEMM's inner loop);
+int4_decode_routed a whole layer's experts for up to 16 tokens whose picks are given (what
+fused_experts computes). Neither is a kernel of the pipeline: their measurement decides whether
+the int4 GEMMs move to Gluon.
 
-    python tools/int4_gluon_probe.py --sass        # CPU: compile for sm_90, count the K loop's SASS
-    PYTHONPATH=. python tools/int4_gluon_probe.py  # GPU: float64 check; one token's weights of each
-                                                   # spec timed against moegen's int4 layer and the
-                                                   # read-only bound of the same bytes
+    python tools/int4_gluon_probe.py --sass        # CPU: compile for sm_90, count the K loops' SASS
+    PYTHONPATH=. python tools/int4_gluon_probe.py  # GPU: float64 checks; one token's weights of each
+                                                   # spec against moegen's int4 layer and the
+                                                   # read-only bound of the same bytes; the decode
+                                                   # kernel against fused_experts at 1, 8, 16 tokens
 """
 import argparse
 import re
@@ -65,16 +69,14 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # Words [KB, 4, BLOCK_N] (b, t, n): word 4 t + b of the step's row n. Lane bits hold t and the
+    # Words [KB, 4, BLOCK_N] (b, t, n): word KB t + b of the step's row n. Lane bits hold t and the
     # low bits of n, as the B fragment's do; a thread's KB words are contiguous (one LDG.128).
     w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
     x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
 
     n0 = gl.program_id(0) * BLOCK_N
-    ob = gl.arange(0, KB, layout=gl.SliceLayout(1, gl.SliceLayout(2, w_layout)))
-    ot = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, w_layout)))
-    on = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, w_layout)))
-    w_ptrs = w_ptr + (n0 + on)[None, None, :] * (K // 8) + ot[None, :, None] * KB + ob[:, None, None]
+    on, step_words = _word_offsets(BLOCK_N, KB, w_layout)
+    w_ptrs = w_ptr + (n0 + on)[None, None, :] * (K // 8) + step_words
     scale_ptrs = scale_ptr + (n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))) * (K // GROUP)
     xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_layout))
     x_ptrs = x_ptr + xm[:, None] * K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))[None, :]
@@ -93,20 +95,11 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
         else:
             words = gl.load(w_ptrs + k // 8)
             scale = gl.load(scale_ptrs + k // GROUP).to(gl.float32)
-        o = gl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
-                                      dtype=[gl.bfloat16] * 8, is_pure=True, pack=2)
-        # Output p = 4 d + 2 a + c of the pair of words (2 i, 2 i + 1), lane e, is MMA input
-        # L = 64 i + 32 d + 16 a + 8 c + 2 t + e and holds the step's input 32 t + 8 (2 i + d) + 4 e + 2 a + c.
-        w = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])),
-                    gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))  # [KB, 4, BLOCK_N, c, a, d]
-        w = gl.permute(gl.reshape(w, [KB // 2, 2, 4, BLOCK_N, 2, 2, 2]), WEIGHT_ORDER.value)
-        w = gl.convert_layout(gl.reshape(w, [BLOCK_K, BLOCK_N]), b_layout, assert_trivial=True)
-        # Unless REPACKED (L is the input itself), the activations in the same order: input
-        # 32 t + 8 b + 4 e + 2 a + c to L = 32 b + 16 a + 8 c + 2 t + e.
+        w = _b_operand(words, KB, BLOCK_N, b_layout)
         x = gl.load(x_ptrs + k, mask=x_mask, other=0.0)
         x_sum = gl.convert_layout(gl.sum(x.to(gl.float32), axis=1), gl.SliceLayout(1, mma))
-        if not REPACKED:
-            x = gl.reshape(gl.permute(gl.reshape(x, [16, 4, KB, 2, 2, 2]), ACTIVATION_ORDER.value), [16, BLOCK_K])
+        if not REPACKED:  # (repacked, the MMA's input order is the inputs' own)
+            x = _nibble_order(x, KB)
         gl.thread_barrier()  # the previous step's LDSMs are done with the buffer
         x_smem.store(x)
         gl.thread_barrier()
@@ -129,18 +122,22 @@ def _word_offsets(BLOCK_N: gl.constexpr, KB: gl.constexpr, w_layout: gl.constexp
 
 @gluon.jit
 def _b_operand(words, KB: gl.constexpr, BLOCK_N: gl.constexpr, b_layout: gl.constexpr):
-    """The MMA's B operand [32 KB, BLOCK_N] (128 + nibble, bf16) of a step's words [KB, 4, BLOCK_N]."""
+    """The MMA's B operand [32 KB, BLOCK_N] (128 + nibble, bf16) of a step's words [KB, 4, BLOCK_N]:
+    output p = 4 d + 2 a + c of the pair of words (2 i, 2 i + 1), lane e, is MMA input
+    L = 64 i + 32 d + 16 a + 8 c + 2 t + e and holds the step's input 8 KB t + 8 (2 i + d) + 4 e + 2 a + c
+    (assert_trivial: the tile is the operand in the registers the PTX wrote)."""
     o = gl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
                                   dtype=[gl.bfloat16] * 8, is_pure=True, pack=2)
     w = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])),
-                gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))
+                gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))  # [KB, 4, BLOCK_N, c, a, d]
     w = gl.permute(gl.reshape(w, [KB // 2, 2, 4, BLOCK_N, 2, 2, 2]), WEIGHT_ORDER.value)
     return gl.convert_layout(gl.reshape(w, [32 * KB, BLOCK_N]), b_layout, assert_trivial=True)
 
 
 @gluon.jit
 def _nibble_order(x, KB: gl.constexpr):
-    """Activations [16, 32 KB] permuted into the order _b_operand's inputs come in."""
+    """Activations [16, 32 KB] permuted into the order _b_operand's inputs come in: input
+    8 KB t + 8 b + 4 e + 2 a + c to L = 32 b + 16 a + 8 c + 2 t + e."""
     return gl.reshape(gl.permute(gl.reshape(x, [16, 4, KB, 2, 2, 2]), ACTIVATION_ORDER.value), [16, 32 * KB])
 
 
