@@ -156,7 +156,7 @@ def _group_offset(s_ptr, z_ptr, rows, group, groups: gl.constexpr, ZERO_POINT: g
 def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w2_ptr, s2_ptr, z2_ptr, work_ptr,
                        T, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       ZERO_POINT: gl.constexpr):
+                       ZERO_POINT: gl.constexpr, PREFETCH: gl.constexpr):
     """A MoE layer's experts for up to 16 tokens whose picks are given (ids, weights [T, TOP_K]):
     program (e, s) takes expert e's slice s of BLOCK_N (<= GROUP) intermediate columns for the
     tokens that picked e, GEMM1 (gate and up, one staging of the activations), the SiLU, the
@@ -205,9 +205,18 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, GROUP], smem)
     gate = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     up = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    gate_next = gl.load(gate_words)
+    up_next = gl.load(up_words)
     for k in range(0, H, GROUP):
-        w_gate = _b_operand(gl.load(gate_words + k // 8), KB, BLOCK_N, b_layout)
-        w_up = _b_operand(gl.load(up_words + k // 8), KB, BLOCK_N, b_layout)
+        if PREFETCH:  # the next step's words in flight during this one's work
+            gate_now, up_now = gate_next, up_next
+            if k + GROUP < H:
+                gate_next = gl.load(gate_words + (k + GROUP) // 8)
+                up_next = gl.load(up_words + (k + GROUP) // 8)
+        else:
+            gate_now, up_now = gl.load(gate_words + k // 8), gl.load(up_words + k // 8)
+        w_gate = _b_operand(gate_now, KB, BLOCK_N, b_layout)
+        w_up = _b_operand(up_now, KB, BLOCK_N, b_layout)
         g_scale, g_offset = _group_offset(s13, z13, sn, k // GROUP, groups1, ZERO_POINT)
         u_scale, u_offset = _group_offset(s13, z13, I + sn, k // GROUP, groups1, ZERO_POINT)
         x = gl.load(x_ptrs + k, mask=x_mask, other=0.0)
@@ -238,8 +247,15 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
     z2 = z2_ptr + e64 * (H * groups2)
     om = gl.arange(0, 16, layout=rows_mma)
     sh = gl.arange(0, BLOCK_H, layout=cols_mma)
+    w2_next = gl.load(w2_words)
     for h0 in range(0, H, BLOCK_H):
-        w = _b_operand(gl.load(w2_words + h0 * (I // 8)), KB2, BLOCK_H, b_layout)
+        if PREFETCH:
+            w2_now = w2_next
+            if h0 + BLOCK_H < H:
+                w2_next = gl.load(w2_words + (h0 + BLOCK_H) * (I // 8))
+        else:
+            w2_now = gl.load(w2_words + h0 * (I // 8))
+        w = _b_operand(w2_now, KB2, BLOCK_H, b_layout)
         scale, offset = _group_offset(s2, z2, h0 + sh, n0 // GROUP, groups2, ZERO_POINT)
         part = mma_v2(h_a, w, gl.zeros([16, BLOCK_H], gl.float32, layout=mma))
         y = (part - h_sum[:, None] * offset[None, :]) * scale[None, :]
@@ -394,10 +410,12 @@ def gpu_report(specs: list[str]) -> None:
 
 
 DECODE_SHAPES = (("Mixtral-8x7B", dict(H=4096, I=14336, TOP_K=2, K_PAD=2, BLOCK_N=128, BLOCK_H=256, NUM_WARPS=4,
-                                        ZERO_POINT=True)),
+                                        ZERO_POINT=True, PREFETCH=True)),
                  ("Qwen3-30B-A3B", dict(H=2048, I=768, TOP_K=8, K_PAD=8, BLOCK_N=64, BLOCK_H=128, NUM_WARPS=4,
-                                         ZERO_POINT=False)))
-DECODE_CONFIGS = ((128, 256, 4), (128, 128, 4), (64, 256, 4), (64, 128, 4), (128, 256, 8))
+                                         ZERO_POINT=False, PREFETCH=True)))
+# (BLOCK_N, BLOCK_H, warps, prefetch)
+DECODE_CONFIGS = ((128, 256, 4, False), (128, 256, 4, True), (128, 128, 4, True), (64, 256, 4, True),
+                  (64, 128, 4, True), (128, 256, 8, True))
 
 
 def decode_report(timer, spec: str) -> None:
@@ -433,7 +451,7 @@ def decode_report(timer, spec: str) -> None:
         read_only = read_only_us(timer, ids.unique().numel() * expert_bytes)
         print(f"{spec}, {tokens} tokens: moegen fused_experts int4 {peer_us:.1f} us "
               f"({peer_us / read_only:.2f}x read-only {read_only:.1f} us), err {peer_err:.1e}", flush=True)
-        for block_n, block_h, warps in DECODE_CONFIGS:
+        for block_n, block_h, warps, prefetch in DECODE_CONFIGS:
             if m.intermediate_size % block_n or m.hidden_size % block_h:
                 continue
             out = torch.zeros(tokens, m.hidden_size, device="cuda", dtype=torch.float32)
@@ -443,12 +461,13 @@ def decode_report(timer, spec: str) -> None:
                 int4_decode_routed[(m.num_experts, m.intermediate_size // block_n)](
                     x, pick_ids, pick_weights, *tensors, out, tokens, H=m.hidden_size,
                     I=m.intermediate_size, TOP_K=m.top_k, K_PAD=k_pad, BLOCK_N=block_n, BLOCK_H=block_h,
-                    NUM_WARPS=warps, ZERO_POINT=zero_point, num_warps=warps)
+                    NUM_WARPS=warps, ZERO_POINT=zero_point, PREFETCH=prefetch, num_warps=warps)
 
             call()
             err = relative_error(out.to(x.dtype), ref)
             us = timer.median_us(call)
-            print(f"  Gluon decode BLOCK_N {block_n}, BLOCK_H {block_h}, {warps} warps: {us:.1f} us "
+            print(f"  Gluon decode BLOCK_N {block_n}, BLOCK_H {block_h}, {warps} warps, prefetch {int(prefetch)}: "
+                  f"{us:.1f} us "
                   f"({us / read_only:.2f}x read-only, {peer_us / us:.2f}x fused_experts), err {err:.1e}", flush=True)
 
 
