@@ -1,9 +1,9 @@
 """tools/int4_gluon_probe.py runs only on a GPU; here its arithmetic is modelled on the CPU: the
 unpacking PTX (the PTX model of test_int4_ptx) on random words, the outputs joined, split and
-permuted as the kernel does with its own orders, the activations permuted with theirs (not for
+permuted as the kernels do with their own orders, the activations permuted with theirs (not for
 the repacked words), and the product must be the float64 product of the weights in moegen's int4
-layout. The kernel itself is
-compiled for sm_90 (no GPU needed): its layout conversion to the MMA operand must be trivial."""
+layout. The kernels themselves are compiled for sm_90 (no GPU needed): each layout conversion to
+the MMA operand must be trivial."""
 from __future__ import annotations
 
 import importlib.util
