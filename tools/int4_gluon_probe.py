@@ -12,8 +12,9 @@ in. The weights stay in moegen's int4 layout (moegen.quant.quantize.pack_int4); 
 
 int4_tile_gemm is one weight matrix times up to 16 rows (a decode GEMM's inner loop);
 int4_decode_routed a whole layer's experts for up to 16 tokens whose picks are given (what
-fused_experts computes). Neither is a kernel of the pipeline: their measurement decides whether
-the int4 GEMMs move to Gluon.
+fused_experts computes). Neither is a kernel of the pipeline; what they measured (fewer
+instructions a weight, one token still bound by the bytes in flight) is in docs/PERFORMANCE.md's
+ideas table.
 
     python tools/int4_gluon_probe.py --sass        # CPU: compile for sm_90, count the K loops' SASS
     PYTHONPATH=. python tools/int4_gluon_probe.py  # GPU: float64 checks; one token's weights of each
