@@ -266,12 +266,18 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
 CONFIGS = ((64, 4, False), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True), (256, 8, True))
 
 
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """Words [N, K / 8] of moegen's int4 layout as their nibbles [N, K] (uint8), input order."""
+    return torch.stack((words.view(torch.uint8) & 0xF, words.view(torch.uint8) >> 4), dim=-1).reshape(
+        words.shape[0], -1)
+
+
 def repacked(words: torch.Tensor) -> torch.Tensor:
     """Words [N, K / 8] of moegen's int4 layout with each group's nibbles moved to where the probe
     reads MMA input L: word 4 t + b of a group, nibble 4 q + 16 e holds input
     32 b + 16 (q >> 1) + 8 (q & 1) + 2 t + e (the layout a repack at load time would store)."""
     n, k = words.shape[0], words.shape[1] * 8
-    q = torch.stack((words.view(torch.uint8) & 0xF, words.view(torch.uint8) >> 4), dim=-1).reshape(n, k // GROUP_SIZE, -1)
+    q = _nibbles(words).reshape(n, k // GROUP_SIZE, -1)
     t, b, j, e = torch.meshgrid(*(torch.arange(s) for s in (4, GROUP_SIZE // 32, 4, 2)), indexing="ij")
     source = (32 * b + 16 * (j >> 1) + 8 * (j & 1) + 2 * t + e).reshape(-1).to(words.device)
     nibbles = q[:, :, source].reshape(n, k // GROUP_SIZE, 4 * GROUP_SIZE // 32, 4, 2).to(torch.int64)
@@ -341,8 +347,7 @@ def _probe_us(timer, words, scale, x, rows: int) -> float:
     """The fastest of CONFIGS on words [N, K / 8] of moegen's layout and on them repacked
     (microseconds), each checked against float64 (a wrong one is not counted)."""
     n, k = words.shape[0], words.shape[1] * 8
-    q = torch.stack((words.view(torch.uint8) & 0xF, words.view(torch.uint8) >> 4), dim=-1).reshape(n, k)
-    ref = x[:rows].double() @ ((q.double() - 8) * scale.double().repeat_interleave(GROUP_SIZE, dim=1)).T
+    ref = x[:rows].double() @ ((_nibbles(words).double() - 8) * scale.double().repeat_interleave(GROUP_SIZE, dim=1)).T
     best = float("inf")
     for repack, stored in ((False, words), (True, repacked(words))):
         for block_n, warps, prefetch in CONFIGS:
@@ -416,7 +421,7 @@ def gpu_report(specs: list[str]) -> None:
               f"its {layer_bytes / 1e6:.1f} MB); probe W13 + W2 {probe_us:.1f} us ({probe_us / read_only:.2f}x, "
               f"{probe_bytes / 1e6:.1f} MB, no routing, activation or reduction); read-only {read_only:.1f} us",
               flush=True)
-        decode_report(timer, spec)
+        decode_report(timer, pkg, spec)
 
 
 DECODE_SHAPES = (("Mixtral-8x7B", dict(H=4096, I=14336, TOP_K=2, K_PAD=2, BLOCK_N=128, BLOCK_H=256, NUM_WARPS=4,
@@ -428,20 +433,15 @@ DECODE_CONFIGS = ((128, 256, 4, False), (128, 256, 4, True), (128, 128, 4, True)
                   (64, 128, 4, True), (128, 256, 8, True))
 
 
-def decode_report(timer, spec: str) -> None:
+def decode_report(timer, pkg, spec: str) -> None:
     """int4_decode_routed against moegen's fused_experts (int4, the same picks and stored
     weights) at 1, 8 and 16 tokens, both checked against the float64 reference of the layer,
     with the read-only bound of the picked experts' bytes."""
-    import tempfile
-
-    from moegen import load
     from moegen.bench.cells import Workload
     from moegen.bench.roofline import read_only_us
-    from moegen.package import build
     from moegen.reference import relative_error
     from moegen.runtime.routing import route
 
-    pkg = load(build(Path(spec), Path(tempfile.mkdtemp(prefix="int4-probe-")))[0])
     m = pkg.SPEC.model
     work = Workload(pkg, torch.device("cuda"), 80)
     stored13, stored2 = work.stored(work.w13, work.w2)
