@@ -1,6 +1,6 @@
 """Probe: how far an int4 (w4a16, bf16) GEMM gets when its layouts are chosen by hand (Gluon).
 
-The int4 GEMMs of the templates are bound by instruction issue (docs/PERFORMANCE.md): Triton 3.6
+The int4 GEMMs of the templates spend ~4.4 instructions a weight (docs/PERFORMANCE.md): Triton 3.6
 gives both dot operands kWidth 8 when one is dequantized, and every HMMA's activation quad is then
 assembled with register moves. Gluon (triton.experimental.gluon) lets the kernel say the layouts:
 here the weight words are loaded so that each thread holds exactly the nibbles of its mma.sync
