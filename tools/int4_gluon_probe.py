@@ -268,8 +268,9 @@ CONFIGS = ((64, 4, False), (64, 4, True), (128, 4, False), (128, 4, True), (128,
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
     """Words [N, K / 8] of moegen's int4 layout as their nibbles [N, K] (uint8), input order."""
-    return torch.stack((words.view(torch.uint8) & 0xF, words.view(torch.uint8) >> 4), dim=-1).reshape(
-        words.shape[0], -1)
+    from moegen.quant.quantize import unpack_int4
+
+    return unpack_int4(words.view(torch.uint8), 8 * words.shape[1])
 
 
 def repacked(words: torch.Tensor) -> torch.Tensor:
@@ -371,16 +372,11 @@ def _probe_us(timer, words, scale, x, rows: int) -> float:
 
 
 def _random_words(n: int, k: int):
-    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
-    scale = (torch.rand(n, k // GROUP_SIZE, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
-    return pack_words(q), scale
-
-
-def pack_words(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] nibbles in moegen's int4 layout, as the int32 words the probe loads."""
     from moegen.quant.quantize import pack_int4
 
-    return pack_int4(q[None])[0].view(torch.int32)
+    q = torch.randint(0, 16, (n, k), device="cuda", dtype=torch.uint8)
+    scale = (torch.rand(n, k // GROUP_SIZE, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
+    return pack_int4(q[None])[0].view(torch.int32), scale  # moegen's int4 layout as the words the probe loads
 
 
 def gpu_report(specs: list[str]) -> None:
