@@ -84,6 +84,6 @@ def test_probe_compiles_for_hopper_with_its_operand_in_place(probe, tmp_path):
     lines = run.stdout.splitlines()
     tiles = [line for line in lines if " layout, " in line]  # moegen's layout and the repacked one
     decodes = [line for line in lines if line.startswith("decode ")]
-    assert len(tiles) == 2 * len(probe.CONFIGS) and len(decodes) == len(probe.DECODE_SHAPES), lines
+    assert len(tiles) == 2 * len(probe.CONFIGS) and len(decodes) == 3 * len(probe.DECODE_SHAPES), lines
     for line in tiles + decodes:
         assert "'HMMA'" in line, line

@@ -12,15 +12,20 @@ in. The weights stay in moegen's int4 layout (moegen.quant.quantize.pack_int4); 
 
 int4_tile_gemm is one weight matrix times up to 16 rows (a decode GEMM's inner loop);
 int4_decode_routed a whole layer's experts for up to 16 tokens whose picks are given (what
-fused_experts computes). Neither is a kernel of the pipeline; what they measured (fewer
-instructions a weight, one token still bound by the bytes in flight) is in docs/PERFORMANCE.md's
-ideas table.
+fused_experts computes), with two variants that keep more bytes in flight: int4_decode_staged
+(cp.async into a ring of shared-memory slots) and int4_decode_lean (every operand loaded two
+steps ahead). None is a kernel of the pipeline; what they measured (fewer instructions a weight;
+one token bound by how few warps an SM holds, not by the bytes in flight) is in
+docs/PERFORMANCE.md's ideas table.
 
     python tools/int4_gluon_probe.py --sass        # CPU: compile for sm_90, count the K loops' SASS
     PYTHONPATH=. python tools/int4_gluon_probe.py  # GPU: float64 checks; one token's weights of each
                                                    # spec against moegen's int4 layer and the
                                                    # read-only bound of the same bytes; the decode
-                                                   # kernel against fused_experts at 1, 8, 16 tokens
+                                                   # kernels against fused_experts at 1, 8, 16 tokens
+        --decode-only   only the decode kernels
+        --profile       one launch of each kind's fastest config (run under Nsight Compute)
+        --read-pattern  the GEMMs' read pattern alone against one streaming read of the same bytes
 """
 import argparse
 import re
@@ -31,8 +36,10 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 GROUP_SIZE = 128  # inputs per scale; one K step of the probe
@@ -154,6 +161,20 @@ def _group_offset(s_ptr, z_ptr, rows, group, groups: gl.constexpr, ZERO_POINT: g
 
 
 @gluon.jit
+def _expert_picks(ids_ptr, weights_ptr, T, expert, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
+                  pick_layout: gl.constexpr, rows_layout: gl.constexpr):
+    """How many of the T (<= 16) tokens' picks (ids, weights [T, TOP_K]) name `expert`, and each
+    token's router weight for it (0 where it did not pick it)."""
+    pm = gl.arange(0, 16, layout=gl.SliceLayout(1, pick_layout))
+    pk = gl.arange(0, K_PAD, layout=gl.SliceLayout(0, pick_layout))
+    pick_ok = (pm < T)[:, None] & (pk < TOP_K)[None, :]
+    chose = gl.load(ids_ptr + pm[:, None] * TOP_K + pk[None, :], mask=pick_ok, other=-1) == expert
+    row_weight = gl.sum(gl.where(chose, gl.load(weights_ptr + pm[:, None] * TOP_K + pk[None, :], mask=pick_ok,
+                                                other=0.0).to(gl.float32), 0.0), axis=1)
+    return gl.sum(gl.sum(chose.to(gl.int32), axis=1), axis=0), gl.convert_layout(row_weight, rows_layout)
+
+
+@gluon.jit
 def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w2_ptr, s2_ptr, z2_ptr, work_ptr,
                        T, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -179,17 +200,9 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
 
     expert = gl.program_id(0)
     n0 = gl.program_id(1) * BLOCK_N
-    # Which tokens picked this expert, with what weight (programs of unpicked experts end here).
-    pm = gl.arange(0, 16, layout=gl.SliceLayout(1, pick_layout))
-    pk = gl.arange(0, K_PAD, layout=gl.SliceLayout(0, pick_layout))
-    pick_ok = (pm < T)[:, None] & (pk < TOP_K)[None, :]
-    ids = gl.load(ids_ptr + pm[:, None] * TOP_K + pk[None, :], mask=pick_ok, other=-1)
-    chose = ids == expert
-    if gl.max(gl.max(chose.to(gl.int32), axis=1), axis=0) == 0:
+    picks, row_weight = _expert_picks(ids_ptr, weights_ptr, T, expert, TOP_K, K_PAD, pick_layout, rows_mma)
+    if picks == 0:  # programs of unpicked experts end here
         return
-    row_weight = gl.sum(gl.where(chose, gl.load(weights_ptr + pm[:, None] * TOP_K + pk[None, :], mask=pick_ok,
-                                                other=0.0).to(gl.float32), 0.0), axis=1)
-    row_weight = gl.convert_layout(row_weight, rows_mma)
 
     # GEMM1: the gate and up rows n0.. and I + n0.. of W13[expert], over H in groups.
     e64 = expert.to(gl.int64)
@@ -263,6 +276,301 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
         gl.atomic_add(work_ptr + om[:, None] * H + (h0 + sh)[None, :], y, mask=(om < T)[:, None], sem="relaxed")
 
 
+
+@gluon.jit
+def _stage_columns(smem, ptr, row0, rows_step, cols: gl.constexpr, COLS_PAD: gl.constexpr, ROWS: gl.constexpr,
+                   layout: gl.constexpr):
+    """smem[c, r] = ptr[(row0 + r) * rows_step + c] for c < cols (the scale or zero point of rows
+    row0.. for every group c): a program's scales read once, then by group from shared memory."""
+    oc = gl.arange(0, COLS_PAD, layout=gl.SliceLayout(1, layout))
+    orow = gl.arange(0, ROWS, layout=gl.SliceLayout(0, layout))
+    tile = gl.load(ptr + (row0 + orow)[None, :] * rows_step + oc[:, None], mask=(oc < cols)[:, None])
+    smem._reinterpret(tile.dtype, [COLS_PAD, ROWS], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])).store(tile)
+
+
+@gluon.jit
+def int4_decode_staged(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w2_ptr, s2_ptr, z2_ptr, work_ptr,
+                       T, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
+                       G1_PAD: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr,
+                       NUM_WARPS: gl.constexpr, ZERO_POINT: gl.constexpr, STAGES: gl.constexpr):
+    """int4_decode_routed with its loads STAGES - 1 steps ahead through shared memory: each step's
+    weight words and activation rows arrive by cp.async into a ring of STAGES slots (GEMM2's ring
+    reuses GEMM1's), and the program's scales and zero points are staged once per GEMM, so no
+    load of a step waits on memory in the step itself. BLOCK_H <= 256."""
+    KB: gl.constexpr = GROUP // 32
+    KB2: gl.constexpr = BLOCK_N // 32
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
+    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
+    groups_layout: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, NUM_WARPS], [0, 1])  # [groups, rows]
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [1, rows]
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # tables read a row at a time
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    # A step's words of row n as in memory (word KB t + b at b + KB t): one cp.async of 16 bytes
+    # per thread and row, read back by LDS.128 without bank conflicts.
+    words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1, 2])
+    rows_mma: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_mma: gl.constexpr = gl.SliceLayout(0, mma)
+
+    expert = gl.program_id(0)
+    n0 = gl.program_id(1) * BLOCK_N
+    picks, row_weight = _expert_picks(ids_ptr, weights_ptr, T, expert, TOP_K, K_PAD, pick_layout, rows_mma)
+    if picks == 0:  # programs of unpicked experts end here
+        return
+
+    e64 = expert.to(gl.int64)
+    # A step's words of the gate rows n0.. then the up rows I + n0.. of W13[expert]: one copy.
+    on, step_words = _word_offsets(2 * BLOCK_N, KB, w_layout)
+    w13_rows = n0 + on + gl.where(on < BLOCK_N, 0, I - BLOCK_N)
+    w13_words = w13_ptr + e64 * (2 * I * (H // 8)) + w13_rows[None, None, :] * (H // 8) + step_words
+    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_layout))
+    x_ptrs = x_ptr + xm[:, None] * H + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
+    x_mask = (xm < T)[:, None]
+    # The ring: slot s holds a step's gate and up words (GEMM1), then W2's words (GEMM2).
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, KB, 4, 2 * BLOCK_N], words_smem)
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 16, GROUP], plain2)
+    steps1: gl.constexpr = H // GROUP
+    for s in gl.static_range(STAGES - 1):
+        cp.async_copy_global_to_shared(ring.index(s), w13_words + s * (GROUP // 8))
+        cp.async_copy_global_to_shared(x_ring.index(s), x_ptrs + s * GROUP, mask=x_mask)
+        cp.commit_group()
+
+    # Both GEMMs' scales and zero points, once (their loads in flight with the ring's first steps).
+    groups1: gl.constexpr = H // GROUP
+    groups2: gl.constexpr = I // GROUP
+    s13 = s13_ptr + e64 * (2 * I * groups1)
+    z13 = z13_ptr + e64 * (2 * I * groups1)
+    s2 = s2_ptr + e64 * (H * groups2) + n0 // GROUP
+    z2 = z2_ptr + e64 * (H * groups2) + n0 // GROUP
+    gate_scale = gl.allocate_shared_memory(s13_ptr.dtype.element_ty, [G1_PAD, BLOCK_N], plain1)
+    up_scale = gl.allocate_shared_memory(s13_ptr.dtype.element_ty, [G1_PAD, BLOCK_N], plain1)
+    down_scale = gl.allocate_shared_memory(s2_ptr.dtype.element_ty, [H // BLOCK_H, BLOCK_H], plain1)
+    _stage_columns(gate_scale, s13, n0, groups1, groups1, G1_PAD, BLOCK_N, groups_layout)
+    _stage_columns(up_scale, s13, I + n0, groups1, groups1, G1_PAD, BLOCK_N, groups_layout)
+    _stage_columns(down_scale, s2, 0, groups2, 1, 1, H, rows_layout)
+    if ZERO_POINT:
+        gate_zero = gl.allocate_shared_memory(z13_ptr.dtype.element_ty, [G1_PAD, BLOCK_N], plain1)
+        up_zero = gl.allocate_shared_memory(z13_ptr.dtype.element_ty, [G1_PAD, BLOCK_N], plain1)
+        down_zero = gl.allocate_shared_memory(z2_ptr.dtype.element_ty, [H // BLOCK_H, BLOCK_H], plain1)
+        _stage_columns(gate_zero, z13, n0, groups1, groups1, G1_PAD, BLOCK_N, groups_layout)
+        _stage_columns(up_zero, z13, I + n0, groups1, groups1, G1_PAD, BLOCK_N, groups_layout)
+        _stage_columns(down_zero, z2, 0, groups2, 1, 1, H, rows_layout)
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, GROUP], smem)
+    gate = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    up = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    for step in range(steps1):
+        cp.wait_group(STAGES - 2)
+        gl.thread_barrier()  # every thread's copies of this step landed; last step's slot is read
+        ahead = step + STAGES - 1
+        if ahead < steps1:
+            slot = ahead % STAGES
+            cp.async_copy_global_to_shared(ring.index(slot), w13_words + ahead * (GROUP // 8))
+            cp.async_copy_global_to_shared(x_ring.index(slot), x_ptrs + ahead * GROUP, mask=x_mask)
+        cp.commit_group()
+        slot = step % STAGES
+        w_gate = _b_operand(ring.index(slot).slice(0, BLOCK_N, dim=2).load(w_layout), KB, BLOCK_N, b_layout)
+        w_up = _b_operand(ring.index(slot).slice(BLOCK_N, BLOCK_N, dim=2).load(w_layout), KB, BLOCK_N, b_layout)
+        x = x_ring.index(slot).load(x_layout)
+        x_sum = gl.convert_layout(gl.sum(x.to(gl.float32), axis=1), rows_mma)
+        x_smem.store(_nibble_order(x, KB))
+        gl.thread_barrier()
+        a = x_smem.load(a_layout)
+        g_scale = gate_scale.index(step).load(cols_mma).to(gl.float32)
+        u_scale = up_scale.index(step).load(cols_mma).to(gl.float32)
+        if ZERO_POINT:
+            g_offset = gate_zero.index(step).load(cols_mma).to(gl.float32) + 128.0
+            u_offset = up_zero.index(step).load(cols_mma).to(gl.float32) + 128.0
+        else:
+            g_offset = gl.full([BLOCK_N], 136.0, gl.float32, layout=cols_mma)
+            u_offset = g_offset
+        part = mma_v2(a, w_gate, gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
+        gate += (part - x_sum[:, None] * g_offset[None, :]) * g_scale[None, :]
+        part = mma_v2(a, w_up, gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
+        up += (part - x_sum[:, None] * u_offset[None, :]) * u_scale[None, :]
+
+    # GEMM2's ring: the same slots, filled once every thread is done with GEMM1's.
+    cp.wait_group(0)
+    gl.thread_barrier()
+    ring2 = ring._reinterpret(gl.int32, [STAGES, KB2, 4, BLOCK_H], words_smem)
+    oh, step_words2 = _word_offsets(BLOCK_H, KB2, w2_layout)
+    w2_words = w2_ptr + e64 * (H * (I // 8)) + oh[None, None, :] * (I // 8) + n0 // 8 + step_words2
+    steps2: gl.constexpr = H // BLOCK_H
+    for s in gl.static_range(STAGES - 1):
+        if s < steps2:
+            cp.async_copy_global_to_shared(ring2.index(s), w2_words + s * BLOCK_H * (I // 8))
+        cp.commit_group()
+
+    h = (gate / (1.0 + gl.exp(-gate)) * up * row_weight[:, None]).to(gl.bfloat16)
+    h_sum = gl.sum(h.to(gl.float32), axis=1)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], smem)
+    h_smem.store(_nibble_order(gl.convert_layout(h, x_layout), KB2))
+    gl.thread_barrier()
+    h_a = h_smem.load(a_layout)
+    om = gl.arange(0, 16, layout=rows_mma)
+    sh = gl.arange(0, BLOCK_H, layout=cols_mma)
+    for step in range(steps2):
+        cp.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        ahead = step + STAGES - 1
+        if ahead < steps2:
+            cp.async_copy_global_to_shared(ring2.index(ahead % STAGES), w2_words + ahead * BLOCK_H * (I // 8))
+        cp.commit_group()
+        w = _b_operand(ring2.index(step % STAGES).load(w2_layout), KB2, BLOCK_H, b_layout)
+        scale = down_scale.index(step).load(cols_mma).to(gl.float32)
+        if ZERO_POINT:
+            offset = down_zero.index(step).load(cols_mma).to(gl.float32) + 128.0
+        else:
+            offset = gl.full([BLOCK_H], 136.0, gl.float32, layout=cols_mma)
+        part = mma_v2(h_a, w, gl.zeros([16, BLOCK_H], gl.float32, layout=mma))
+        y = (part - h_sum[:, None] * offset[None, :]) * scale[None, :]
+        gl.atomic_add(work_ptr + om[:, None] * H + (step * BLOCK_H + sh)[None, :], y, mask=(om < T)[:, None],
+                      sem="relaxed")
+
+
+@gluon.jit
+def _group_raw(s_ptr, z_ptr, rows, group, groups: gl.constexpr, ZERO_POINT: gl.constexpr):
+    """The scales and zero points of `rows` for one group as loaded (converted only where used,
+    so that a load ahead does not wait)."""
+    scale = gl.load(s_ptr + rows * groups + group)
+    if ZERO_POINT:
+        zero = gl.load(z_ptr + rows * groups + group)
+    else:
+        zero = scale
+    return scale, zero
+
+
+@gluon.jit
+def _finish_group(part, x_sum, scale, zero, ZERO_POINT: gl.constexpr):
+    """A group's float32 contribution (part - (128 + zero) * sum(x)) * scale."""
+    if ZERO_POINT:
+        offset = zero.to(gl.float32) + 128.0
+        return (part - x_sum[:, None] * offset[None, :]) * scale.to(gl.float32)[None, :]
+    else:
+        return (part - x_sum[:, None] * 136.0) * scale.to(gl.float32)[None, :]
+
+
+@gluon.jit
+def _lean_gemm1_loads(w13_words, s13, z13, rows, k, I: gl.constexpr, H: gl.constexpr, ZERO_POINT: gl.constexpr):
+    """A GEMM1 step's gate and up words, scales and zero points, as loaded."""
+    groups: gl.constexpr = H // GROUP
+    g_scale, g_zero = _group_raw(s13, z13, rows, k // GROUP, groups, ZERO_POINT)
+    u_scale, u_zero = _group_raw(s13, z13, I + rows, k // GROUP, groups, ZERO_POINT)
+    return gl.load(w13_words + k // 8), gl.load(w13_words + I * (H // 8) + k // 8), g_scale, g_zero, u_scale, u_zero
+
+
+@gluon.jit
+def int4_decode_lean(xp_ptr, xs_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w2_ptr, s2_ptr, z2_ptr,
+                     work_ptr, T, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr,
+                     ZERO_POINT: gl.constexpr):
+    """int4_decode_routed with every operand of a step loaded ahead, converted only where used:
+    words, scales and zero points two steps ahead, the activations one (they come already in the
+    nibbles' order with their group sums: lean_activations), staged in two buffers so that a step
+    has one barrier."""
+    KB: gl.constexpr = GROUP // 32
+    KB2: gl.constexpr = BLOCK_N // 32
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
+    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    rows_mma: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_mma: gl.constexpr = gl.SliceLayout(0, mma)
+
+    expert = gl.program_id(0)
+    n0 = gl.program_id(1) * BLOCK_N
+    picks, row_weight = _expert_picks(ids_ptr, weights_ptr, T, expert, TOP_K, K_PAD, pick_layout, rows_mma)
+    if picks == 0:  # programs of unpicked experts end here
+        return
+
+    e64 = expert.to(gl.int64)
+    on, step_words = _word_offsets(BLOCK_N, KB, w_layout)
+    w13_words = w13_ptr + e64 * (2 * I * (H // 8)) + (n0 + on)[None, None, :] * (H // 8) + step_words
+    groups1: gl.constexpr = H // GROUP
+    s13 = s13_ptr + e64 * (2 * I * groups1)
+    z13 = z13_ptr + e64 * (2 * I * groups1)
+    sn = n0 + gl.arange(0, BLOCK_N, layout=cols_mma)
+    xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_layout))
+    x_ptrs = xp_ptr + xm[:, None] * H + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
+    x_mask = (xm < T)[:, None]
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 16, GROUP], smem)  # two: one barrier a step
+    xs_ptrs = xs_ptr + gl.arange(0, 16, layout=rows_mma) * groups1
+    gate = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    up = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    ahead1 = _lean_gemm1_loads(w13_words, s13, z13, sn, 0, I, H, ZERO_POINT)
+    ahead2 = _lean_gemm1_loads(w13_words, s13, z13, sn, GROUP, I, H, ZERO_POINT)
+    x_next = gl.load(x_ptrs, mask=x_mask, other=0.0)  # (from L2: one step ahead is enough)
+    x_sum_next = gl.load(xs_ptrs)
+    for k in range(0, H, GROUP):
+        now = ahead1
+        ahead1 = ahead2
+        if k + 2 * GROUP < H:
+            ahead2 = _lean_gemm1_loads(w13_words, s13, z13, sn, k + 2 * GROUP, I, H, ZERO_POINT)
+        x, x_sum = x_next, x_sum_next
+        if k + GROUP < H:
+            x_next = gl.load(x_ptrs + k + GROUP, mask=x_mask, other=0.0)
+            x_sum_next = gl.load(xs_ptrs + k // GROUP + 1)
+        x_buffer = x_smem.index((k // GROUP) % 2)
+        x_buffer.store(x)
+        gl.thread_barrier()
+        a = x_buffer.load(a_layout)
+        gate_now, up_now, g_scale, g_zero, u_scale, u_zero = now
+        part = mma_v2(a, _b_operand(gate_now, KB, BLOCK_N, b_layout), gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
+        gate += _finish_group(part, x_sum, g_scale, g_zero, ZERO_POINT)
+        part = mma_v2(a, _b_operand(up_now, KB, BLOCK_N, b_layout), gl.zeros([16, BLOCK_N], gl.float32, layout=mma))
+        up += _finish_group(part, x_sum, u_scale, u_zero, ZERO_POINT)
+
+    # GEMM2's first loads go out before the activation's math.
+    oh, step_words2 = _word_offsets(BLOCK_H, KB2, w2_layout)
+    w2_words = w2_ptr + e64 * (H * (I // 8)) + oh[None, None, :] * (I // 8) + n0 // 8 + step_words2
+    groups2: gl.constexpr = I // GROUP
+    s2 = s2_ptr + e64 * (H * groups2)
+    z2 = z2_ptr + e64 * (H * groups2)
+    sh = gl.arange(0, BLOCK_H, layout=cols_mma)
+    scale1, zero1 = _group_raw(s2, z2, sh, n0 // GROUP, groups2, ZERO_POINT)
+    ahead1 = (gl.load(w2_words), scale1, zero1)
+    scale2, zero2 = _group_raw(s2, z2, BLOCK_H + sh, n0 // GROUP, groups2, ZERO_POINT)
+    ahead2 = (gl.load(w2_words + BLOCK_H * (I // 8)), scale2, zero2)
+
+    h = (gate / (1.0 + gl.exp(-gate)) * up * row_weight[:, None]).to(gl.bfloat16)
+    h_sum = gl.sum(h.to(gl.float32), axis=1)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], smem)
+    h_smem.store(_nibble_order(gl.convert_layout(h, x_layout), KB2))
+    gl.thread_barrier()
+    h_a = h_smem.load(a_layout)
+    om = gl.arange(0, 16, layout=rows_mma)
+    for h0 in range(0, H, BLOCK_H):
+        now = ahead1
+        ahead1 = ahead2
+        if h0 + 2 * BLOCK_H < H:
+            scale_next, zero_next = _group_raw(s2, z2, h0 + 2 * BLOCK_H + sh, n0 // GROUP, groups2, ZERO_POINT)
+            ahead2 = (gl.load(w2_words + (h0 + 2 * BLOCK_H) * (I // 8)), scale_next, zero_next)
+        words, scale, zero = now
+        part = mma_v2(h_a, _b_operand(words, KB2, BLOCK_H, b_layout), gl.zeros([16, BLOCK_H], gl.float32, layout=mma))
+        y = _finish_group(part, h_sum, scale, zero, ZERO_POINT)
+        gl.atomic_add(work_ptr + om[:, None] * H + (h0 + sh)[None, :], y, mask=(om < T)[:, None], sem="relaxed")
+
+
+def lean_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4_decode_lean's activations: x [T <= 16, H] in the nibbles' order of each group (rows
+    padded to 16 with zeros) and their group sums in float32 [16, H / GROUP]."""
+    t, h = x.shape
+    padded = torch.zeros(16, h, device=x.device, dtype=x.dtype)
+    padded[:t] = x
+    kb = GROUP_SIZE // 32
+    perm = padded.reshape(16, h // GROUP_SIZE, 4, kb, 2, 2, 2).permute(
+        0, 1, *(1 + d for d in ACTIVATION_ORDER.value[1:])).reshape(16, h)
+    return perm.contiguous(), padded.float().reshape(16, h // GROUP_SIZE, GROUP_SIZE).sum(-1)
+
 CONFIGS = ((64, 4, False), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True), (256, 8, True))
 
 
@@ -324,15 +632,24 @@ def sass_report() -> None:
                   f"{total / weights:.2f} a weight; {dict(ops.most_common(8))}")
     decode_signature = {"x_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32", "w13_ptr": "*i32",
                         "s13_ptr": "*bf16", "z13_ptr": "*u8", "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8",
-                        "work_ptr": "*fp32", "T": "i32", **{name: "constexpr" for name in DECODE_SHAPES[0][1]}}
+                        "work_ptr": "*fp32", "T": "i32"}
     for name, shape in DECODE_SHAPES:
-        src = GluonASTSource(int4_decode_routed, decode_signature, constexprs=shape,
-                             attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape["NUM_WARPS"]})
-        total, ops = loop_counts(kernel.asm["cubin"])
-        weights = 2 * GROUP_SIZE * shape["BLOCK_N"] // (32 * shape["NUM_WARPS"])
-        print(f"decode {name}: GEMM1 {total} instructions a K step (gate and up), {weights} weights a thread: "
-              f"{total / weights:.2f} a weight; {dict(ops.most_common(8))}")
+        lean = {key: value for key, value in shape.items() if key != "PREFETCH"}
+        for kernel_fn, constexprs in ((int4_decode_routed, shape), (int4_decode_staged, staged_shape(shape, 4)),
+                                      (int4_decode_lean, lean)):
+            signature = {**decode_signature, **{key: "constexpr" for key in constexprs}}
+            if kernel_fn is int4_decode_lean:
+                signature = {"xp_ptr": "*bf16", "xs_ptr": "*fp32", **signature}
+                del signature["x_ptr"]
+            pointers = len(signature) - len(constexprs) - 1  # all but T
+            src = GluonASTSource(kernel_fn, signature, constexprs=constexprs,
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in range(pointers)})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape["NUM_WARPS"]})
+            total, ops = loop_counts(kernel.asm["cubin"])
+            weights = 2 * GROUP_SIZE * shape["BLOCK_N"] // (32 * shape["NUM_WARPS"])
+            print(f"decode {name} {kernel_fn.__name__}: GEMM1 {total} instructions a K step (gate and up), "
+                  f"{weights} weights a thread: {total / weights:.2f} a weight, {kernel.metadata.shared} bytes "
+                  f"of shared memory; {dict(ops.most_common(8))}")
 
 
 def _graph_us(timer, fn) -> float:
@@ -379,7 +696,7 @@ def _random_words(n: int, k: int):
     return pack_int4(q[None])[0].view(torch.int32), scale  # moegen's int4 layout as the words the probe loads
 
 
-def gpu_report(specs: list[str]) -> None:
+def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = False) -> None:
     """Per spec, one token: moegen's int4 layer (routing, both GEMMs, the reduction) against the
     probe on the same weight bytes (the top-k experts' W13 and W2 stacked along N), both against
     the read-only bound of those bytes; then the Gluon decode kernel against fused_experts."""
@@ -396,6 +713,9 @@ def gpu_report(specs: list[str]) -> None:
     for spec in specs:
         pkg = load(build(Path(spec), Path(tempfile.mkdtemp(prefix="int4-probe-")))[0])
         m = pkg.SPEC.model
+        if decode_only or profile:
+            decode_report(timer, pkg, spec, profile)
+            continue
         work = Workload(pkg, torch.device("cuda"), 79)
         x1, logits = work.inputs(1)
         layer_us = _graph_us(timer, lambda: work.kernel_call(x1, logits, work.w13, work.w2))
@@ -424,12 +744,38 @@ DECODE_SHAPES = (("Mixtral-8x7B", dict(H=4096, I=14336, TOP_K=2, K_PAD=2, BLOCK_
                                         ZERO_POINT=True, PREFETCH=True)),
                  ("Qwen3-30B-A3B", dict(H=2048, I=768, TOP_K=8, K_PAD=8, BLOCK_N=64, BLOCK_H=128, NUM_WARPS=4,
                                          ZERO_POINT=False, PREFETCH=True)))
-# (BLOCK_N, BLOCK_H, warps, prefetch)
-DECODE_CONFIGS = ((128, 256, 4, False), (128, 256, 4, True), (128, 128, 4, True), (64, 256, 4, True),
-                  (64, 128, 4, True), (128, 256, 8, True))
 
 
-def decode_report(timer, pkg, spec: str) -> None:
+def staged_shape(shape: dict, stages: int) -> dict:
+    """int4_decode_routed's constexprs as int4_decode_staged's, with `stages` slots."""
+    staged = {key: value for key, value in shape.items() if key != "PREFETCH"}
+    return {**staged, "G1_PAD": triton.next_power_of_2(shape["H"] // GROUP_SIZE), "STAGES": stages}
+
+
+# (kernel, BLOCK_N, BLOCK_H, warps, prefetch or stages)
+# (kind, BLOCK_N, BLOCK_H, warps, loads ahead or stages, register cap or None)
+DECODE_CONFIGS = (("routed", 128, 256, 8, 1, None), ("routed", 64, 128, 4, 1, None), ("routed", 128, 256, 8, 1, 96),
+                  ("staged", 128, 256, 4, 3, None), ("staged", 128, 256, 4, 4, None), ("staged", 64, 128, 4, 6, None),
+                  ("lean", 128, 256, 8, 2, None), ("lean", 64, 128, 4, 2, None), ("lean", 128, 256, 8, 2, 128))
+
+
+def _decode_kernel(kind: str, x, m, k_pad: int, block_n: int, block_h: int, warps: int, depth: int,
+                   zero_point: bool):
+    """The decode kernel of a config, its activation arguments and its constexprs."""
+    shape = dict(H=m.hidden_size, I=m.intermediate_size, TOP_K=m.top_k, K_PAD=k_pad, BLOCK_N=block_n,
+                 BLOCK_H=block_h, NUM_WARPS=warps, ZERO_POINT=zero_point, PREFETCH=depth)
+    if kind == "routed":
+        return int4_decode_routed, (x,), shape
+    if kind == "staged":
+        return int4_decode_staged, (x,), staged_shape(shape, depth)
+    # the activations' layout made once a step, outside the timed kernel
+    return int4_decode_lean, lean_activations(x), {k: v for k, v in shape.items() if k != "PREFETCH"}
+
+
+PROFILE_CONFIGS = (("routed", 128, 256, 8, 1), ("staged", 128, 256, 4, 3), ("lean", 128, 256, 8, 2),
+                   ("lean", 128, 256, 4, 2))
+
+def decode_report(timer, pkg, spec: str, profile: bool = False) -> None:
     """int4_decode_routed against moegen's fused_experts (int4, the same picks and stored
     weights) at 1, 8 and 16 tokens, both checked against the float64 reference of the layer,
     with the read-only bound of the picked experts' bytes."""
@@ -446,35 +792,98 @@ def decode_report(timer, pkg, spec: str) -> None:
                stored2["weight"].view(torch.int32), stored2["scale"], stored2.get("zero", stored2["scale"]))
     expert_bytes = sum(t.nbytes for part in (stored13, stored2) for t in part.values()) // m.num_experts
     k_pad = triton.next_power_of_2(m.top_k)
-    for tokens in (1, 8, 16):
+    for tokens in (1,) if profile else (1, 8, 16):
         x, logits = work.inputs(tokens)
         weights, ids = route(logits, pkg.KERNELS.routing, work.bias)
         ref = work.reference(x, logits, work.w13, work.w2)
-        peer = lambda: work.experts_call(x, weights, ids, work.w13, work.w2)  # noqa: E731
         pick_weights, pick_ids = weights.float().contiguous(), ids.to(torch.int32).contiguous()
+        if profile:  # one launch of each of the fastest configs per kind, for Nsight Compute
+            for kind, block_n, block_h, warps, depth in PROFILE_CONFIGS:
+                out = torch.zeros(tokens, m.hidden_size, device="cuda", dtype=torch.float32)
+                kernel, activations, constexprs = _decode_kernel(kind, x, m, k_pad, block_n, block_h, warps, depth,
+                                                                 zero_point)
+                for _ in range(2):
+                    compiled = kernel[(m.num_experts, m.intermediate_size // block_n)](
+                        *activations, pick_ids, pick_weights, *tensors, out, tokens, **constexprs, num_warps=warps)
+                print(f"  {kind} {block_n}/{block_h}/{warps}/{depth}: {compiled.n_regs} registers, "
+                      f"{compiled.n_spills} spilled, {compiled.metadata.shared} bytes of shared memory", flush=True)
+            torch.cuda.synchronize()
+            return
+        peer = lambda: work.experts_call(x, weights, ids, work.w13, work.w2)  # noqa: E731
         peer_err = relative_error(peer(), ref)
         peer_us = _graph_us(timer, peer)
         read_only = read_only_us(timer, ids.unique().numel() * expert_bytes)
         print(f"{spec}, {tokens} tokens: moegen fused_experts int4 {peer_us:.1f} us "
               f"({peer_us / read_only:.2f}x read-only {read_only:.1f} us), err {peer_err:.1e}", flush=True)
-        for block_n, block_h, warps, prefetch in DECODE_CONFIGS:
+        for kind, block_n, block_h, warps, depth, maxnreg in DECODE_CONFIGS:
             if m.intermediate_size % block_n or m.hidden_size % block_h:
                 continue
             out = torch.zeros(tokens, m.hidden_size, device="cuda", dtype=torch.float32)
+            kernel, activations, constexprs = _decode_kernel(kind, x, m, k_pad, block_n, block_h, warps, depth,
+                                                             zero_point)
 
             def call():
                 out.zero_()
-                int4_decode_routed[(m.num_experts, m.intermediate_size // block_n)](
-                    x, pick_ids, pick_weights, *tensors, out, tokens, H=m.hidden_size,
-                    I=m.intermediate_size, TOP_K=m.top_k, K_PAD=k_pad, BLOCK_N=block_n, BLOCK_H=block_h,
-                    NUM_WARPS=warps, ZERO_POINT=zero_point, PREFETCH=prefetch, num_warps=warps)
+                kernel[(m.num_experts, m.intermediate_size // block_n)](
+                    *activations, pick_ids, pick_weights, *tensors, out, tokens, **constexprs, num_warps=warps,
+                    maxnreg=maxnreg)
 
-            call()
+            try:
+                call()
+            except Exception as error:  # e.g. more shared memory than the card has
+                print(f"  Gluon {kind} {block_n}/{block_h}/{warps}/{depth}/{maxnreg}: {type(error).__name__}: "
+                      f"{str(error)[:200]}", flush=True)
+                continue
             err = relative_error(out.to(x.dtype), ref)
             us = _graph_us(timer, call)
-            print(f"  Gluon decode BLOCK_N {block_n}, BLOCK_H {block_h}, {warps} warps, prefetch {int(prefetch)}: "
-                  f"{us:.1f} us "
+            print(f"  Gluon decode {kind}, BLOCK_N {block_n}, BLOCK_H {block_h}, {warps} warps, "
+                  f"{'' if maxnreg is None else f'at most {maxnreg} registers, '}"
+                  f"{'stages' if kind == 'staged' else 'ahead'} {int(depth)}: {us:.1f} us "
                   f"({us / read_only:.2f}x read-only, {peer_us / us:.2f}x fused_experts), err {err:.1e}", flush=True)
+
+
+@triton.jit
+def _read_steps(w_ptr, out_ptr, ROW_WORDS: tl.constexpr, STEP_WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
+                TILED: tl.constexpr):
+    """Reads rows [BLOCK_N] of int32 words in steps of STEP_WORDS along the row, as the int4 GEMMs
+    walk K (TILED: each step's tile is contiguous in memory instead)."""
+    pid = tl.program_id(0)
+    on = tl.arange(0, BLOCK_N)[:, None]
+    ok = tl.arange(0, STEP_WORDS)[None, :]
+    acc = tl.zeros([BLOCK_N, STEP_WORDS], tl.int32)
+    for k in range(0, ROW_WORDS, STEP_WORDS):
+        if TILED:
+            acc ^= tl.load(w_ptr + pid * BLOCK_N * ROW_WORDS + k * BLOCK_N + on * STEP_WORDS + ok)
+        else:
+            acc ^= tl.load(w_ptr + (pid * BLOCK_N + on) * ROW_WORDS + k + ok)
+    tl.store(out_ptr + pid * BLOCK_N * STEP_WORDS + on * STEP_WORDS + ok, acc)
+
+
+def read_pattern_report() -> None:
+    """Mixtral-8x7B's top-2 W13 bytes at one token (57344 rows of 2048 bytes) read as the int4
+    GEMMs walk them, step by step along K, against one streaming read of the same bytes."""
+    from moegen.bench.roofline import Timer, read_only_us
+
+    timer = Timer(torch.device("cuda"), quick=True)
+    rows, row_words = 2 * 2 * 14336, 4096 // 8
+    w = torch.randint(-2**31, 2**31 - 1, (rows, row_words), device="cuda", dtype=torch.int32)
+    read_only = read_only_us(timer, w.nbytes)
+    print(f"{torch.cuda.get_device_name()}: {w.nbytes / 1e6:.1f} MB, read-only {read_only:.1f} us", flush=True)
+    for tiled in (False, True):
+        for block_n in (64, 128, 256):
+            for step_words in (16, 32, 64, 128):
+                for warps, stages in ((4, 3), (8, 4)):
+                    out = torch.empty(rows, step_words, device="cuda", dtype=torch.int32)
+
+                    def call():
+                        _read_steps[(rows // block_n,)](w, out, ROW_WORDS=row_words, STEP_WORDS=step_words,
+                                                        BLOCK_N=block_n, TILED=tiled, num_warps=warps,
+                                                        num_stages=stages)
+
+                    us = _graph_us(timer, call)
+                    print(f"  {'tiled' if tiled else 'rows'}, BLOCK_N {block_n:3d}, {4 * step_words:3d} bytes a row "
+                          f"and step, {warps} warps, {stages} stages: {us:6.1f} us ({us / read_only:.2f}x)",
+                          flush=True)
 
 
 def main() -> int:
@@ -482,11 +891,17 @@ def main() -> int:
     parser.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU needed) and count the K loop")
     parser.add_argument("--specs", default="specs/mixtral-8x7b-int4.yaml,specs/qwen3-30b-a3b-int4.yaml",
                         help="int4 specs whose one-token layer is compared (comma-separated)")
+    parser.add_argument("--read-pattern", action="store_true", help="on a GPU: the GEMMs' read pattern alone")
+    parser.add_argument("--profile", action="store_true",
+                        help="on a GPU: one launch of the fastest decode configs, for Nsight Compute")
+    parser.add_argument("--decode-only", action="store_true", help="on a GPU: only the decode kernels' report")
     args = parser.parse_args()
     if args.sass:
         sass_report()
+    elif torch.cuda.is_available() and args.read_pattern:
+        read_pattern_report()
     elif torch.cuda.is_available():
-        gpu_report(args.specs.split(","))
+        gpu_report(args.specs.split(","), args.decode_only, args.profile)
     else:
         print("no GPU: run with --sass to count instructions, or on a GPU to check and time", file=sys.stderr)
         return 2
