@@ -73,6 +73,19 @@ def test_probe_arithmetic_is_the_int4_product(probe, repack, block_k):
     torch.testing.assert_close(total, x @ (q.double() - 8).T, rtol=1e-12, atol=1e-9)
 
 
+def test_swapped_operand_is_the_b_operand_transposed(probe):
+    """int4_decode_swapped's A operand [N, 32 KB] holds, for weight row n, the MMA inputs the B
+    operand [32 KB, N] of _b_operand holds in column n (rows split n = 16 q + 8 h + g)."""
+    g = torch.Generator().manual_seed(81)
+    n, kb = 32, 4
+    words = pack_int4(torch.randint(0, 16, (n, 32 * kb), generator=g, dtype=torch.uint8)[None])[0].view(torch.int32)
+    step = words.reshape(n, 4, kb).permute(2, 1, 0)  # (b, t, n): word KB t + b
+    unpacked = _unpacked(probe, step)  # [KB, 4, N, c, a, d]
+    b = unpacked.reshape(kb // 2, 2, 4, n, 2, 2, 2).permute(*probe.WEIGHT_ORDER.value).reshape(32 * kb, n)
+    a = unpacked.reshape(kb // 2, 2, 4, n // 16, 2, 8, 2, 2, 2).permute(*probe.SWAPPED_ORDER.value).reshape(n, 32 * kb)
+    torch.testing.assert_close(a, b.T, rtol=0, atol=0)
+
+
 def test_probe_compiles_for_hopper_with_its_operand_in_place(probe, tmp_path):
     # Its own process: this one's Triton interprets (the conftest), and Gluon compiles only. A
     # fresh cache, so that it compiles: assert_trivial fails the build if the dequantized tile
@@ -84,6 +97,6 @@ def test_probe_compiles_for_hopper_with_its_operand_in_place(probe, tmp_path):
     lines = run.stdout.splitlines()
     tiles = [line for line in lines if " layout, " in line]  # moegen's layout and the repacked one
     decodes = [line for line in lines if line.startswith("decode ")]
-    assert len(tiles) == 2 * len(probe.CONFIGS) and len(decodes) == 3 * len(probe.DECODE_SHAPES), lines
+    assert len(tiles) == 2 * len(probe.CONFIGS) and len(decodes) == 4 * len(probe.DECODE_SHAPES), lines
     for line in tiles + decodes:
         assert "'HMMA'" in line, line

@@ -14,9 +14,10 @@ int4_tile_gemm is one weight matrix times up to 16 rows (a decode GEMM's inner l
 int4_decode_routed a whole layer's experts for up to 16 tokens whose picks are given (what
 fused_experts computes), with two variants that keep more bytes in flight: int4_decode_staged
 (cp.async into a ring of shared-memory slots) and int4_decode_lean (every operand loaded two
-steps ahead). None is a kernel of the pipeline; what they measured (fewer instructions a weight;
-one token bound by how few warps an SM holds, not by the bytes in flight) is in
-docs/PERFORMANCE.md's ideas table.
+steps ahead); int4_decode_swapped takes the weights as the MMA's A operand and the tokens as its
+N (fewer instructions and registers a weight at up to 8 tokens). None is a kernel of the
+pipeline; what they measured (fewer instructions a weight; one token bound by how few warps an
+SM holds, not by the bytes in flight) is in docs/PERFORMANCE.md's ideas table.
 
     python tools/int4_gluon_probe.py --sass        # CPU: compile for sm_90, count the K loops' SASS
     PYTHONPATH=. python tools/int4_gluon_probe.py  # GPU: float64 checks; one token's weights of each
@@ -144,9 +145,10 @@ def _b_operand(words, KB: gl.constexpr, BLOCK_N: gl.constexpr, b_layout: gl.cons
 
 @gluon.jit
 def _nibble_order(x, KB: gl.constexpr):
-    """Activations [16, 32 KB] permuted into the order _b_operand's inputs come in: input
+    """Activations [rows, 32 KB] permuted into the order _b_operand's inputs come in: input
     8 KB t + 8 b + 4 e + 2 a + c to L = 32 b + 16 a + 8 c + 2 t + e."""
-    return gl.reshape(gl.permute(gl.reshape(x, [16, 4, KB, 2, 2, 2]), ACTIVATION_ORDER.value), [16, 32 * KB])
+    rows: gl.constexpr = x.shape[0]
+    return gl.reshape(gl.permute(gl.reshape(x, [rows, 4, KB, 2, 2, 2]), ACTIVATION_ORDER.value), [rows, 32 * KB])
 
 
 @gluon.jit
@@ -162,10 +164,10 @@ def _group_offset(s_ptr, z_ptr, rows, group, groups: gl.constexpr, ZERO_POINT: g
 
 @gluon.jit
 def _expert_picks(ids_ptr, weights_ptr, T, expert, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
-                  pick_layout: gl.constexpr, rows_layout: gl.constexpr):
-    """How many of the T (<= 16) tokens' picks (ids, weights [T, TOP_K]) name `expert`, and each
-    token's router weight for it (0 where it did not pick it)."""
-    pm = gl.arange(0, 16, layout=gl.SliceLayout(1, pick_layout))
+                  pick_layout: gl.constexpr, rows_layout: gl.constexpr, TOKENS: gl.constexpr = 16):
+    """How many of the T (<= TOKENS) tokens' picks (ids, weights [T, TOP_K]) name `expert`, and
+    each token's router weight for it (0 where it did not pick it)."""
+    pm = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, pick_layout))
     pk = gl.arange(0, K_PAD, layout=gl.SliceLayout(0, pick_layout))
     pick_ok = (pm < T)[:, None] & (pk < TOP_K)[None, :]
     chose = gl.load(ids_ptr + pm[:, None] * TOP_K + pk[None, :], mask=pick_ok, other=-1) == expert
@@ -560,6 +562,131 @@ def int4_decode_lean(xp_ptr, xs_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13
         gl.atomic_add(work_ptr + om[:, None] * H + (h0 + sh)[None, :], y, mask=(om < T)[:, None], sem="relaxed")
 
 
+# The words of a swapped step, [KB, 4, BLOCK_N / 16, 2, 8] (b, t, q, h, g) for row n = 16 q + 8 h + g,
+# joined and split as in _b_operand and permuted to (q, h, g, i, d, a, c, t, e): rows, then MMA input.
+SWAPPED_ORDER = gl.constexpr((3, 4, 5, 0, 8, 7, 6, 2, 1))
+
+
+@gluon.jit
+def _swapped_words(ptr, row0, row_words, BLOCK_N: gl.constexpr, KB: gl.constexpr, layout: gl.constexpr):
+    """Pointers to a step's words of rows row0.. [KB, 4, BLOCK_N / 16, 2, 8], laid out so that
+    each thread holds the rows of its A fragments (g and g + 8 of each 16) and, as in
+    _word_offsets, KB consecutive words of each."""
+    l4: gl.constexpr = gl.SliceLayout(4, layout)
+    l3: gl.constexpr = gl.SliceLayout(3, l4)
+    l2: gl.constexpr = gl.SliceLayout(2, l3)
+    ob = gl.arange(0, KB, layout=gl.SliceLayout(1, l2))[:, None, None, None, None]
+    ot = gl.arange(0, 4, layout=gl.SliceLayout(0, l2))[None, :, None, None, None]
+    oq = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))[None, None, :, None, None]
+    oh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
+    og = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
+    rows = row0 + 16 * oq + 8 * oh[None, None, None, :, None] + og[None, None, None, None, :]
+    return ptr + rows * row_words + ot * KB + ob
+
+
+@gluon.jit
+def _a_operand(words, KB: gl.constexpr, BLOCK_N: gl.constexpr, a_layout: gl.constexpr):
+    """The MMA's A operand [BLOCK_N, 32 KB] (128 + nibble, bf16) of a step's words laid out by
+    _swapped_words: row n of the weights, MMA input L as in _b_operand."""
+    o = gl.inline_asm_elementwise(UNPACK, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [words],
+                                  dtype=[gl.bfloat16] * 8, is_pure=True, pack=2)
+    w = gl.join(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])),
+                gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])))  # [KB, 4, Q, 2, 8, c, a, d]
+    w = gl.permute(gl.reshape(w, [KB // 2, 2, 4, BLOCK_N // 16, 2, 8, 2, 2, 2]), SWAPPED_ORDER.value)
+    return gl.convert_layout(gl.reshape(w, [BLOCK_N, 32 * KB]), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def int4_decode_swapped(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w2_ptr, s2_ptr, z2_ptr, work_ptr,
+                        T, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, K_PAD: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr,
+                        ZERO_POINT: gl.constexpr, TOKENS: gl.constexpr):
+    """int4_decode_routed with the weights as the MMA's A operand (16 output rows a fragment) and
+    the tokens as its N (TOKENS = 8 or 16): at up to 8 tokens half the HMMAs and half the
+    activation registers, the accumulators [rows, tokens]. One step of words loaded ahead."""
+    KB: gl.constexpr = GROUP // 32
+    KB2: gl.constexpr = BLOCK_N // 32
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1, 2, 1], [1, 4, 1, 1, 8], [1, 1, NUM_WARPS, 1, 1],
+                                              [0, 3, 1, 4, 2])
+    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1, 2, 1], [1, 4, 1, 1, 8], [1, 1, NUM_WARPS, 1, 1],
+                                               [0, 3, 1, 4, 2])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
+    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    rows_mma: gl.constexpr = gl.SliceLayout(1, mma)
+    tokens_mma: gl.constexpr = gl.SliceLayout(0, mma)
+
+    expert = gl.program_id(0)
+    n0 = gl.program_id(1) * BLOCK_N
+    picks, token_weight = _expert_picks(ids_ptr, weights_ptr, T, expert, TOP_K, K_PAD, pick_layout, tokens_mma,
+                                        TOKENS)
+    if picks == 0:  # programs of unpicked experts end here
+        return
+
+    e64 = expert.to(gl.int64)
+    gate_words = _swapped_words(w13_ptr + e64 * (2 * I * (H // 8)), n0, H // 8, BLOCK_N, KB, w_layout)
+    up_words = gate_words + I * (H // 8)
+    sn = n0 + gl.arange(0, BLOCK_N, layout=rows_mma)
+    groups1: gl.constexpr = H // GROUP
+    s13 = s13_ptr + e64 * (2 * I * groups1)
+    z13 = z13_ptr + e64 * (2 * I * groups1)
+    xm = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
+    x_ptrs = x_ptr + xm[:, None] * H + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
+    x_mask = (xm < T)[:, None]
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [TOKENS, GROUP], smem)
+    gate = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
+    up = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
+    gate_next = gl.load(gate_words)
+    up_next = gl.load(up_words)
+    for k in range(0, H, GROUP):
+        gate_now, up_now = gate_next, up_next
+        if k + GROUP < H:
+            gate_next = gl.load(gate_words + (k + GROUP) // 8)
+            up_next = gl.load(up_words + (k + GROUP) // 8)
+        g_scale, g_offset = _group_offset(s13, z13, sn, k // GROUP, groups1, ZERO_POINT)
+        u_scale, u_offset = _group_offset(s13, z13, I + sn, k // GROUP, groups1, ZERO_POINT)
+        x = gl.load(x_ptrs + k, mask=x_mask, other=0.0)
+        x_sum = gl.convert_layout(gl.sum(x.to(gl.float32), axis=1), tokens_mma)
+        gl.thread_barrier()
+        x_smem.store(_nibble_order(x, KB))
+        gl.thread_barrier()
+        b = x_smem.permute([1, 0]).load(b_layout)
+        zero = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
+        part = mma_v2(_a_operand(gate_now, KB, BLOCK_N, a_layout), b, zero)
+        gate += (part - g_offset[:, None] * x_sum[None, :]) * g_scale[:, None]
+        part = mma_v2(_a_operand(up_now, KB, BLOCK_N, a_layout), b, zero)
+        up += (part - u_offset[:, None] * x_sum[None, :]) * u_scale[:, None]
+
+    # The slice of the intermediate [tokens, BLOCK_N], weighted and rounded as the three-kernel
+    # path stores it, staged once as GEMM2's B operand.
+    h = (gate / (1.0 + gl.exp(-gate)) * up * token_weight[None, :]).to(gl.bfloat16)
+    h_sum = gl.sum(h.to(gl.float32), axis=0)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [TOKENS, BLOCK_N], smem)
+    h_smem.store(_nibble_order(gl.convert_layout(gl.permute(h, [1, 0]), x_layout), KB2))
+    gl.thread_barrier()
+    h_b = h_smem.permute([1, 0]).load(b_layout)
+
+    # GEMM2: rows h0.. of W2[expert], inputs n0.. (one group), added into the work rows.
+    w2_words = _swapped_words(w2_ptr + e64 * (H * (I // 8)) + n0 // 8, 0, I // 8, BLOCK_H, KB2, w2_layout)
+    groups2: gl.constexpr = I // GROUP
+    s2 = s2_ptr + e64 * (H * groups2)
+    z2 = z2_ptr + e64 * (H * groups2)
+    ot = gl.arange(0, TOKENS, layout=tokens_mma)
+    sh = gl.arange(0, BLOCK_H, layout=rows_mma)
+    w2_next = gl.load(w2_words)
+    for h0 in range(0, H, BLOCK_H):
+        w2_now = w2_next
+        if h0 + BLOCK_H < H:
+            w2_next = gl.load(w2_words + (h0 + BLOCK_H) * (I // 8))
+        scale, offset = _group_offset(s2, z2, h0 + sh, n0 // GROUP, groups2, ZERO_POINT)
+        part = mma_v2(_a_operand(w2_now, KB2, BLOCK_H, a_layout), h_b,
+                      gl.zeros([BLOCK_H, TOKENS], gl.float32, layout=mma))
+        y = (part - offset[:, None] * h_sum[None, :]) * scale[:, None]
+        gl.atomic_add(work_ptr + ot[None, :] * H + (h0 + sh)[:, None], y, mask=(ot < T)[None, :], sem="relaxed")
+
 def lean_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4_decode_lean's activations: x [T <= 16, H] in the nibbles' order of each group (rows
     padded to 16 with zeros) and their group sums in float32 [16, H / GROUP]."""
@@ -595,20 +722,18 @@ def repacked(words: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32).reshape(n, k // 8)
 
 
-def loop_counts(cubin: bytes) -> tuple[int, Counter]:
-    """Instructions of the longest backward-branch loop of a cubin's SASS, and their opcodes."""
+def loop_counts(cubin: bytes) -> list[Counter]:
+    """The opcodes of each backward-branch loop of a cubin's SASS, in code order."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = Path("/tmp/int4_gluon_probe.cubin")
     path.write_bytes(cubin)
     sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in
-            re.finditer(r"/\*([0-9a-f]{4})\*/\s*(.*?);", sass)]
-    loops = [(int(b.group(1), 16), at) for at, text in code if (b := re.search(r"BRA (0x[0-9a-f]+)", text))
-             and int(b.group(1), 16) < at]
-    start, end = max(loops, key=lambda span: span[1] - span[0])
-    ops = Counter(text.split()[1 if text.startswith("@") else 0].split(".")[0]
-                  for at, text in code if start <= at <= end)
-    return sum(ops.values()), ops
+            re.finditer(r"/\*([0-9a-f]{4,6})\*/\s*(.*?);", sass)]
+    loops = sorted((int(b.group(1), 16), at) for at, text in code if (b := re.search(r"BRA (0x[0-9a-f]+)", text))
+                   and int(b.group(1), 16) < at)
+    return [Counter(text.split()[1 if text.startswith("@") else 0].split(".")[0]
+                    for at, text in code if start <= at <= end) for start, end in loops]
 
 
 def sass_report() -> None:
@@ -625,7 +750,8 @@ def sass_report() -> None:
                                  constexprs={"K": 4096, "N": 28672, "BLOCK_N": block_n, "NUM_WARPS": warps,
                                              "PREFETCH": prefetch, "REPACKED": repack})
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-            total, ops = loop_counts(kernel.asm["cubin"])
+            ops = max(loop_counts(kernel.asm["cubin"]), key=lambda loop: loop.total())
+            total = ops.total()
             weights = GROUP_SIZE * block_n // (32 * warps)
             print(f"{'repacked' if repack else 'moegen'} layout, BLOCK_N {block_n:3d}, {warps} warps, prefetch "
                   f"{int(prefetch)}: {total} instructions a K step, {weights} weights a thread: "
@@ -636,7 +762,7 @@ def sass_report() -> None:
     for name, shape in DECODE_SHAPES:
         lean = {key: value for key, value in shape.items() if key != "PREFETCH"}
         for kernel_fn, constexprs in ((int4_decode_routed, shape), (int4_decode_staged, staged_shape(shape, 4)),
-                                      (int4_decode_lean, lean)):
+                                      (int4_decode_lean, lean), (int4_decode_swapped, {**lean, "TOKENS": 8})):
             signature = {**decode_signature, **{key: "constexpr" for key in constexprs}}
             if kernel_fn is int4_decode_lean:
                 signature = {"xp_ptr": "*bf16", "xs_ptr": "*fp32", **signature}
@@ -645,11 +771,13 @@ def sass_report() -> None:
             src = GluonASTSource(kernel_fn, signature, constexprs=constexprs,
                                  attrs={(i,): [["tt.divisibility", 16]] for i in range(pointers)})
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": shape["NUM_WARPS"]})
-            total, ops = loop_counts(kernel.asm["cubin"])
+            gemm1, gemm2 = loop_counts(kernel.asm["cubin"])
             weights = 2 * GROUP_SIZE * shape["BLOCK_N"] // (32 * shape["NUM_WARPS"])
-            print(f"decode {name} {kernel_fn.__name__}: GEMM1 {total} instructions a K step (gate and up), "
-                  f"{weights} weights a thread: {total / weights:.2f} a weight, {kernel.metadata.shared} bytes "
-                  f"of shared memory; {dict(ops.most_common(8))}")
+            weights2 = shape["BLOCK_H"] * shape["BLOCK_N"] // (32 * shape["NUM_WARPS"])
+            print(f"decode {name} {kernel_fn.__name__}: GEMM1 {gemm1.total()} instructions a K step (gate and up) "
+                  f"for {weights} weights a thread, {gemm1.total() / weights:.2f} a weight; GEMM2 {gemm2.total()} "
+                  f"for {weights2}, {gemm2.total() / weights2:.2f}; {kernel.metadata.shared} bytes of shared "
+                  f"memory; GEMM1 {dict(gemm1.most_common(8))}")
 
 
 def _graph_us(timer, fn) -> float:
@@ -696,7 +824,7 @@ def _random_words(n: int, k: int):
     return pack_int4(q[None])[0].view(torch.int32), scale  # moegen's int4 layout as the words the probe loads
 
 
-def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = False) -> None:
+def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = False, kinds: tuple = ()) -> None:
     """Per spec, one token: moegen's int4 layer (routing, both GEMMs, the reduction) against the
     probe on the same weight bytes (the top-k experts' W13 and W2 stacked along N), both against
     the read-only bound of those bytes; then the Gluon decode kernel against fused_experts."""
@@ -714,7 +842,7 @@ def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = Fals
         pkg = load(build(Path(spec), Path(tempfile.mkdtemp(prefix="int4-probe-")))[0])
         m = pkg.SPEC.model
         if decode_only or profile:
-            decode_report(timer, pkg, spec, profile)
+            decode_report(timer, pkg, spec, profile, kinds)
             continue
         work = Workload(pkg, torch.device("cuda"), 79)
         x1, logits = work.inputs(1)
@@ -737,7 +865,7 @@ def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = Fals
               f"its {layer_bytes / 1e6:.1f} MB); probe W13 + W2 {probe_us:.1f} us ({probe_us / read_only:.2f}x, "
               f"{probe_bytes / 1e6:.1f} MB, no routing, activation or reduction); read-only {read_only:.1f} us",
               flush=True)
-        decode_report(timer, pkg, spec)
+        decode_report(timer, pkg, spec, kinds=kinds)
 
 
 DECODE_SHAPES = (("Mixtral-8x7B", dict(H=4096, I=14336, TOP_K=2, K_PAD=2, BLOCK_N=128, BLOCK_H=256, NUM_WARPS=4,
@@ -756,7 +884,9 @@ def staged_shape(shape: dict, stages: int) -> dict:
 # (kind, BLOCK_N, BLOCK_H, warps, loads ahead or stages, register cap or None)
 DECODE_CONFIGS = (("routed", 128, 256, 8, 1, None), ("routed", 64, 128, 4, 1, None), ("routed", 128, 256, 8, 1, 96),
                   ("staged", 128, 256, 4, 3, None), ("staged", 128, 256, 4, 4, None), ("staged", 64, 128, 4, 6, None),
-                  ("lean", 128, 256, 8, 2, None), ("lean", 64, 128, 4, 2, None), ("lean", 128, 256, 8, 2, 128))
+                  ("lean", 128, 256, 8, 2, None), ("lean", 64, 128, 4, 2, None), ("lean", 128, 256, 8, 2, 128),
+                  ("swapped", 128, 256, 8, 1, None), ("swapped", 128, 256, 4, 1, None),
+                  ("swapped", 64, 128, 4, 1, None), ("swapped", 64, 256, 4, 1, None))
 
 
 def _decode_kernel(kind: str, x, m, k_pad: int, block_n: int, block_h: int, warps: int, depth: int,
@@ -768,14 +898,17 @@ def _decode_kernel(kind: str, x, m, k_pad: int, block_n: int, block_h: int, warp
         return int4_decode_routed, (x,), shape
     if kind == "staged":
         return int4_decode_staged, (x,), staged_shape(shape, depth)
+    if kind == "swapped":
+        return int4_decode_swapped, (x,), {**{k: v for k, v in shape.items() if k != "PREFETCH"},
+                                           "TOKENS": 8 if x.shape[0] <= 8 else 16}
     # the activations' layout made once a step, outside the timed kernel
     return int4_decode_lean, lean_activations(x), {k: v for k, v in shape.items() if k != "PREFETCH"}
 
 
 PROFILE_CONFIGS = (("routed", 128, 256, 8, 1), ("staged", 128, 256, 4, 3), ("lean", 128, 256, 8, 2),
-                   ("lean", 128, 256, 4, 2))
+                   ("swapped", 128, 256, 8, 1))
 
-def decode_report(timer, pkg, spec: str, profile: bool = False) -> None:
+def decode_report(timer, pkg, spec: str, profile: bool = False, kinds: tuple = ()) -> None:
     """int4_decode_routed against moegen's fused_experts (int4, the same picks and stored
     weights) at 1, 8 and 16 tokens, both checked against the float64 reference of the layer,
     with the read-only bound of the picked experts' bytes."""
@@ -816,7 +949,7 @@ def decode_report(timer, pkg, spec: str, profile: bool = False) -> None:
         print(f"{spec}, {tokens} tokens: moegen fused_experts int4 {peer_us:.1f} us "
               f"({peer_us / read_only:.2f}x read-only {read_only:.1f} us), err {peer_err:.1e}", flush=True)
         for kind, block_n, block_h, warps, depth, maxnreg in DECODE_CONFIGS:
-            if m.intermediate_size % block_n or m.hidden_size % block_h:
+            if m.intermediate_size % block_n or m.hidden_size % block_h or (kinds and kind not in kinds):
                 continue
             out = torch.zeros(tokens, m.hidden_size, device="cuda", dtype=torch.float32)
             kernel, activations, constexprs = _decode_kernel(kind, x, m, k_pad, block_n, block_h, warps, depth,
@@ -894,6 +1027,8 @@ def main() -> int:
     parser.add_argument("--read-pattern", action="store_true", help="on a GPU: the GEMMs' read pattern alone")
     parser.add_argument("--profile", action="store_true",
                         help="on a GPU: one launch of the fastest decode configs, for Nsight Compute")
+    parser.add_argument("--kinds", default="", help="decode kernels to run (comma-separated: routed, staged, "
+                        "lean, swapped; default all)")
     parser.add_argument("--decode-only", action="store_true", help="on a GPU: only the decode kernels' report")
     args = parser.parse_args()
     if args.sass:
@@ -901,7 +1036,8 @@ def main() -> int:
     elif torch.cuda.is_available() and args.read_pattern:
         read_pattern_report()
     elif torch.cuda.is_available():
-        gpu_report(args.specs.split(","), args.decode_only, args.profile)
+        gpu_report(args.specs.split(","), args.decode_only, args.profile,
+                   tuple(kind for kind in args.kinds.split(",") if kind))
     else:
         print("no GPU: run with --sass to count instructions, or on a GPU to check and time", file=sys.stderr)
         return 2
