@@ -66,6 +66,49 @@ WEIGHT_ORDER = gl.constexpr((0, 6, 5, 4, 2, 1, 3))
 ACTIVATION_ORDER = gl.constexpr((0, 2, 4, 5, 1, 3))
 
 
+@gluon.constexpr_function
+def mma_layout(num_warps, swapped=False):
+    """mma.sync m16n8k16's accumulators, the warps along N (or along M, swapped)."""
+    warps = [num_warps, 1] if swapped else [1, num_warps]
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=warps, instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def operand_layout(index, mma):
+    """The MMA's A (0) or B (1) operand, two bf16 a register (kWidth 2)."""
+    return gl.DotOperandLayout(operand_index=index, parent=mma, k_width=2)
+
+
+@gluon.constexpr_function
+def words_layout(kb, num_warps):
+    """A step's words [KB, 4, rows] (b, t, n): lanes hold t and the low bits of n, as the B
+    fragment's do; a thread's KB words of a row are contiguous (one 16-byte load at KB 4)."""
+    return gl.BlockedLayout([kb, 1, 1], [1, 4, 8], [1, 1, num_warps], [0, 1, 2])
+
+
+@gluon.constexpr_function
+def swapped_words_layout(kb, num_warps):
+    """A step's words [KB, 4, rows / 16, 2, 8] (b, t, q, h, g) for row 16 q + 8 h + g: lanes hold t
+    and g, registers b and h (rows g and g + 8 of the A fragment), warps q."""
+    return gl.BlockedLayout([kb, 1, 1, 2, 1], [1, 4, 1, 1, 8], [1, 1, num_warps, 1, 1], [0, 3, 1, 4, 2])
+
+
+@gluon.constexpr_function
+def activations_layout(num_warps):
+    """Activation rows [rows, 128]: eight consecutive inputs a thread."""
+    return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def picks_layout(k_pad, num_warps):
+    """Picks [tokens, K_PAD]: one token's picks a thread."""
+    return gl.BlockedLayout([1, k_pad], [32, 1], [num_warps, 1], [1, 0])
+
+
+# Activation tiles staged for LDSM.
+STAGING = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+
+
 @gluon.jit
 def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PREFETCH: gl.constexpr,
@@ -75,13 +118,11 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
     x and out have 16 rows."""
     BLOCK_K: gl.constexpr = GROUP
     KB: gl.constexpr = BLOCK_K // 32  # words a thread loads per column and step
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # Words [KB, 4, BLOCK_N] (b, t, n): word KB t + b of the step's row n. Lane bits hold t and the
-    # low bits of n, as the B fragment's do; a thread's KB words are contiguous (one LDG.128).
-    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
+    mma: gl.constexpr = mma_layout(NUM_WARPS)
+    a_layout: gl.constexpr = operand_layout(0, mma)
+    b_layout: gl.constexpr = operand_layout(1, mma)
+    w_layout: gl.constexpr = words_layout(KB, NUM_WARPS)
+    x_layout: gl.constexpr = activations_layout(NUM_WARPS)
 
     n0 = gl.program_id(0) * BLOCK_N
     on, step_words = _word_offsets(BLOCK_N, KB, w_layout)
@@ -189,14 +230,13 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
     w2 [E, H, I / 2], scales and zero points [E, rows, inputs / GROUP]."""
     KB: gl.constexpr = GROUP // 32
     KB2: gl.constexpr = BLOCK_N // 32
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
-    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
-    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    mma: gl.constexpr = mma_layout(NUM_WARPS)
+    a_layout: gl.constexpr = operand_layout(0, mma)
+    b_layout: gl.constexpr = operand_layout(1, mma)
+    w_layout: gl.constexpr = words_layout(KB, NUM_WARPS)
+    w2_layout: gl.constexpr = words_layout(KB2, NUM_WARPS)
+    x_layout: gl.constexpr = activations_layout(NUM_WARPS)
+    pick_layout: gl.constexpr = picks_layout(K_PAD, NUM_WARPS)
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma)
     cols_mma: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -218,7 +258,7 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
     xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_layout))
     x_ptrs = x_ptr + xm[:, None] * H + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
     x_mask = (xm < T)[:, None]
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, GROUP], smem)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, GROUP], STAGING)
     gate = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     up = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     gate_next = gl.load(gate_words)
@@ -250,7 +290,7 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
     # stores it, staged once as GEMM2's A operand.
     h = (gate / (1.0 + gl.exp(-gate)) * up * row_weight[:, None]).to(gl.bfloat16)
     h_sum = gl.sum(h.to(gl.float32), axis=1)
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], smem)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], STAGING)
     h_smem.store(_nibble_order(gl.convert_layout(h, x_layout), KB2))
     gl.thread_barrier()
     h_a = h_smem.load(a_layout)
@@ -301,16 +341,15 @@ def int4_decode_staged(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
     load of a step waits on memory in the step itself. BLOCK_H <= 256."""
     KB: gl.constexpr = GROUP // 32
     KB2: gl.constexpr = BLOCK_N // 32
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
-    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
-    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
+    mma: gl.constexpr = mma_layout(NUM_WARPS)
+    a_layout: gl.constexpr = operand_layout(0, mma)
+    b_layout: gl.constexpr = operand_layout(1, mma)
+    w_layout: gl.constexpr = words_layout(KB, NUM_WARPS)
+    w2_layout: gl.constexpr = words_layout(KB2, NUM_WARPS)
+    x_layout: gl.constexpr = activations_layout(NUM_WARPS)
+    pick_layout: gl.constexpr = picks_layout(K_PAD, NUM_WARPS)
     groups_layout: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [1, NUM_WARPS], [0, 1])  # [groups, rows]
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [1, rows]
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # tables read a row at a time
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     # A step's words of row n as in memory (word KB t + b at b + KB t): one cp.async of 16 bytes
@@ -363,7 +402,7 @@ def int4_decode_staged(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
         _stage_columns(up_zero, z13, I + n0, groups1, groups1, G1_PAD, BLOCK_N, groups_layout)
         _stage_columns(down_zero, z2, 0, groups2, 1, 1, H, rows_layout)
 
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, GROUP], smem)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, GROUP], STAGING)
     gate = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     up = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     for step in range(steps1):
@@ -410,7 +449,7 @@ def int4_decode_staged(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
 
     h = (gate / (1.0 + gl.exp(-gate)) * up * row_weight[:, None]).to(gl.bfloat16)
     h_sum = gl.sum(h.to(gl.float32), axis=1)
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], smem)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], STAGING)
     h_smem.store(_nibble_order(gl.convert_layout(h, x_layout), KB2))
     gl.thread_barrier()
     h_a = h_smem.load(a_layout)
@@ -477,14 +516,13 @@ def int4_decode_lean(xp_ptr, xs_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13
     has one barrier."""
     KB: gl.constexpr = GROUP // 32
     KB2: gl.constexpr = BLOCK_N // 32
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
-    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1], [1, 4, 8], [1, 1, NUM_WARPS], [0, 1, 2])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
-    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    mma: gl.constexpr = mma_layout(NUM_WARPS)
+    a_layout: gl.constexpr = operand_layout(0, mma)
+    b_layout: gl.constexpr = operand_layout(1, mma)
+    w_layout: gl.constexpr = words_layout(KB, NUM_WARPS)
+    w2_layout: gl.constexpr = words_layout(KB2, NUM_WARPS)
+    x_layout: gl.constexpr = activations_layout(NUM_WARPS)
+    pick_layout: gl.constexpr = picks_layout(K_PAD, NUM_WARPS)
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma)
     cols_mma: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -504,7 +542,7 @@ def int4_decode_lean(xp_ptr, xs_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13
     xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_layout))
     x_ptrs = xp_ptr + xm[:, None] * H + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
     x_mask = (xm < T)[:, None]
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 16, GROUP], smem)  # two: one barrier a step
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 16, GROUP], STAGING)  # two: one barrier a step
     xs_ptrs = xs_ptr + gl.arange(0, 16, layout=rows_mma) * groups1
     gate = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     up = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
@@ -545,7 +583,7 @@ def int4_decode_lean(xp_ptr, xs_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13
 
     h = (gate / (1.0 + gl.exp(-gate)) * up * row_weight[:, None]).to(gl.bfloat16)
     h_sum = gl.sum(h.to(gl.float32), axis=1)
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], smem)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_N], STAGING)
     h_smem.store(_nibble_order(gl.convert_layout(h, x_layout), KB2))
     gl.thread_barrier()
     h_a = h_smem.load(a_layout)
@@ -569,9 +607,8 @@ SWAPPED_ORDER = gl.constexpr((3, 4, 5, 0, 8, 7, 6, 2, 1))
 
 @gluon.jit
 def _swapped_words(ptr, row0, row_words, BLOCK_N: gl.constexpr, KB: gl.constexpr, layout: gl.constexpr):
-    """Pointers to a step's words of rows row0.. [KB, 4, BLOCK_N / 16, 2, 8], laid out so that
-    each thread holds the rows of its A fragments (g and g + 8 of each 16) and, as in
-    _word_offsets, KB consecutive words of each."""
+    """Pointers to a step's words of rows row0.. [KB, 4, BLOCK_N / 16, 2, 8] in `layout`
+    (swapped_words_layout): KB consecutive words of each row, as in _word_offsets."""
     l4: gl.constexpr = gl.SliceLayout(4, layout)
     l3: gl.constexpr = gl.SliceLayout(3, l4)
     l2: gl.constexpr = gl.SliceLayout(2, l3)
@@ -606,16 +643,13 @@ def int4_decode_swapped(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, 
     activation registers, the accumulators [rows, tokens]. One step of words loaded ahead."""
     KB: gl.constexpr = GROUP // 32
     KB2: gl.constexpr = BLOCK_N // 32
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    w_layout: gl.constexpr = gl.BlockedLayout([KB, 1, 1, 2, 1], [1, 4, 1, 1, 8], [1, 1, NUM_WARPS, 1, 1],
-                                              [0, 3, 1, 4, 2])
-    w2_layout: gl.constexpr = gl.BlockedLayout([KB2, 1, 1, 2, 1], [1, 4, 1, 1, 8], [1, 1, NUM_WARPS, 1, 1],
-                                               [0, 3, 1, 4, 2])
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
-    pick_layout: gl.constexpr = gl.BlockedLayout([1, K_PAD], [32, 1], [NUM_WARPS, 1], [1, 0])
-    smem: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    mma: gl.constexpr = mma_layout(NUM_WARPS, swapped=True)
+    a_layout: gl.constexpr = operand_layout(0, mma)
+    b_layout: gl.constexpr = operand_layout(1, mma)
+    w_layout: gl.constexpr = swapped_words_layout(KB, NUM_WARPS)
+    w2_layout: gl.constexpr = swapped_words_layout(KB2, NUM_WARPS)
+    x_layout: gl.constexpr = activations_layout(NUM_WARPS)
+    pick_layout: gl.constexpr = picks_layout(K_PAD, NUM_WARPS)
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma)
     tokens_mma: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -636,7 +670,7 @@ def int4_decode_swapped(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, 
     xm = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, x_layout))
     x_ptrs = x_ptr + xm[:, None] * H + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
     x_mask = (xm < T)[:, None]
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [TOKENS, GROUP], smem)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [TOKENS, GROUP], STAGING)
     gate = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
     up = gl.zeros([BLOCK_N, TOKENS], gl.float32, layout=mma)
     gate_next = gl.load(gate_words)
@@ -664,7 +698,7 @@ def int4_decode_swapped(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, 
     # path stores it, staged once as GEMM2's B operand.
     h = (gate / (1.0 + gl.exp(-gate)) * up * token_weight[None, :]).to(gl.bfloat16)
     h_sum = gl.sum(h.to(gl.float32), axis=0)
-    h_smem = gl.allocate_shared_memory(gl.bfloat16, [TOKENS, BLOCK_N], smem)
+    h_smem = gl.allocate_shared_memory(gl.bfloat16, [TOKENS, BLOCK_N], STAGING)
     h_smem.store(_nibble_order(gl.convert_layout(gl.permute(h, [1, 0]), x_layout), KB2))
     gl.thread_barrier()
     h_b = h_smem.permute([1, 0]).load(b_layout)
