@@ -756,12 +756,21 @@ def repacked(words: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32).reshape(n, k // 8)
 
 
-def loop_counts(cubin: bytes) -> list[Counter]:
-    """The opcodes of each backward-branch loop of a cubin's SASS, in code order."""
+def _cuobjdump(cubin: bytes, *args: str) -> str:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = Path("/tmp/int4_gluon_probe.cubin")
     path.write_bytes(cubin)
-    sass = subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([str(cuobjdump), *args, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the cubin's kernel (what bounds the warps an SM holds)."""
+    return int(re.search(r"REG:(\d+)", _cuobjdump(cubin, "--dump-resource-usage")).group(1))
+
+
+def loop_counts(cubin: bytes) -> list[Counter]:
+    """The opcodes of each backward-branch loop of a cubin's SASS, in code order."""
+    sass = _cuobjdump(cubin, "-sass")
     code = [(int(m.group(1), 16), m.group(2).strip()) for m in
             re.finditer(r"/\*([0-9a-f]{4,6})\*/\s*(.*?);", sass)]
     loops = sorted((int(b.group(1), 16), at) for at, text in code if (b := re.search(r"BRA (0x[0-9a-f]+)", text))
@@ -810,8 +819,8 @@ def sass_report() -> None:
             weights2 = shape["BLOCK_H"] * shape["BLOCK_N"] // (32 * shape["NUM_WARPS"])
             print(f"decode {name} {kernel_fn.__name__}: GEMM1 {gemm1.total()} instructions a K step (gate and up) "
                   f"for {weights} weights a thread, {gemm1.total() / weights:.2f} a weight; GEMM2 {gemm2.total()} "
-                  f"for {weights2}, {gemm2.total() / weights2:.2f}; {kernel.metadata.shared} bytes of shared "
-                  f"memory; GEMM1 {dict(gemm1.most_common(8))}")
+                  f"for {weights2}, {gemm2.total() / weights2:.2f}; {registers(kernel.asm['cubin'])} registers, "
+                  f"{kernel.metadata.shared} bytes of shared memory; GEMM1 {dict(gemm1.most_common(8))}")
 
 
 def _graph_us(timer, fn) -> float:
@@ -920,7 +929,8 @@ DECODE_CONFIGS = (("routed", 128, 256, 8, 1, None), ("routed", 64, 128, 4, 1, No
                   ("staged", 128, 256, 4, 3, None), ("staged", 128, 256, 4, 4, None), ("staged", 64, 128, 4, 6, None),
                   ("lean", 128, 256, 8, 2, None), ("lean", 64, 128, 4, 2, None), ("lean", 128, 256, 8, 2, 128),
                   ("swapped", 128, 256, 8, 1, None), ("swapped", 128, 256, 4, 1, None),
-                  ("swapped", 64, 128, 4, 1, None), ("swapped", 64, 256, 4, 1, None))
+                  ("swapped", 64, 128, 4, 1, None), ("swapped", 64, 256, 4, 1, None),
+                  ("swapped", 128, 256, 8, 1, 80), ("swapped", 64, 128, 4, 1, 80))
 
 
 def _decode_kernel(kind: str, x, m, k_pad: int, block_n: int, block_h: int, warps: int, depth: int,
