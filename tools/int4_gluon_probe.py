@@ -131,7 +131,7 @@ def int4_tile_gemm(w_ptr, x_ptr, scale_ptr, out_ptr, rows, K: gl.constexpr, N: g
     xm = gl.arange(0, 16, layout=gl.SliceLayout(1, x_layout))
     x_ptrs = x_ptr + xm[:, None] * K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))[None, :]
     x_mask = (xm < rows)[:, None]
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_K], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [16, BLOCK_K], STAGING)
     acc = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     words_next = gl.load(w_ptrs)
     scale_next = gl.load(scale_ptrs)
@@ -195,9 +195,10 @@ def _nibble_order(x, KB: gl.constexpr):
 @gluon.jit
 def _group_offset(s_ptr, z_ptr, rows, group, groups: gl.constexpr, ZERO_POINT: gl.constexpr):
     """Scales (float32) and 128 + zero points of `rows` for one group."""
-    scale = gl.load(s_ptr + rows * groups + group).to(gl.float32)
+    scale, zero = _group_raw(s_ptr, z_ptr, rows, group, groups, ZERO_POINT)
+    scale = scale.to(gl.float32)
     if ZERO_POINT:
-        offset = gl.load(z_ptr + rows * groups + group).to(gl.float32) + 128.0
+        offset = zero.to(gl.float32) + 128.0
     else:
         offset = gl.full(scale.shape, 136.0, gl.float32, layout=scale.type.layout)
     return scale, offset
@@ -316,7 +317,6 @@ def int4_decode_routed(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, w
         part = mma_v2(h_a, w, gl.zeros([16, BLOCK_H], gl.float32, layout=mma))
         y = (part - h_sum[:, None] * offset[None, :]) * scale[None, :]
         gl.atomic_add(work_ptr + om[:, None] * H + (h0 + sh)[None, :], y, mask=(om < T)[:, None], sem="relaxed")
-
 
 
 @gluon.jit
@@ -721,6 +721,7 @@ def int4_decode_swapped(x_ptr, ids_ptr, weights_ptr, w13_ptr, s13_ptr, z13_ptr, 
         y = (part - offset[:, None] * h_sum[None, :]) * scale[:, None]
         gl.atomic_add(work_ptr + ot[None, :] * H + (h0 + sh)[:, None], y, mask=(ot < T)[None, :], sem="relaxed")
 
+
 def lean_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4_decode_lean's activations: x [T <= 16, H] in the nibbles' order of each group (rows
     padded to 16 with zeros) and their group sums in float32 [16, H / GROUP]."""
@@ -731,6 +732,7 @@ def lean_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     perm = padded.reshape(16, h // GROUP_SIZE, 4, kb, 2, 2, 2).permute(
         0, 1, *(1 + d for d in ACTIVATION_ORDER.value[1:])).reshape(16, h)
     return perm.contiguous(), padded.float().reshape(16, h // GROUP_SIZE, GROUP_SIZE).sum(-1)
+
 
 CONFIGS = ((64, 4, False), (64, 4, True), (128, 4, False), (128, 4, True), (128, 8, True), (256, 8, True))
 
@@ -803,7 +805,7 @@ def sass_report() -> None:
                         "s13_ptr": "*bf16", "z13_ptr": "*u8", "w2_ptr": "*i32", "s2_ptr": "*bf16", "z2_ptr": "*u8",
                         "work_ptr": "*fp32", "T": "i32"}
     for name, shape in DECODE_SHAPES:
-        lean = {key: value for key, value in shape.items() if key != "PREFETCH"}
+        lean = without_prefetch(shape)
         for kernel_fn, constexprs in ((int4_decode_routed, shape), (int4_decode_staged, staged_shape(shape, 4)),
                                       (int4_decode_lean, lean), (int4_decode_swapped, {**lean, "TOKENS": 8})):
             signature = {**decode_signature, **{key: "constexpr" for key in constexprs}}
@@ -917,13 +919,16 @@ DECODE_SHAPES = (("Mixtral-8x7B", dict(H=4096, I=14336, TOP_K=2, K_PAD=2, BLOCK_
                                          ZERO_POINT=False, PREFETCH=True)))
 
 
+def without_prefetch(shape: dict) -> dict:
+    """int4_decode_routed's constexprs less PREFETCH: those of the kernels that load ahead their own way."""
+    return {key: value for key, value in shape.items() if key != "PREFETCH"}
+
+
 def staged_shape(shape: dict, stages: int) -> dict:
     """int4_decode_routed's constexprs as int4_decode_staged's, with `stages` slots."""
-    staged = {key: value for key, value in shape.items() if key != "PREFETCH"}
-    return {**staged, "G1_PAD": triton.next_power_of_2(shape["H"] // GROUP_SIZE), "STAGES": stages}
+    return {**without_prefetch(shape), "G1_PAD": triton.next_power_of_2(shape["H"] // GROUP_SIZE), "STAGES": stages}
 
 
-# (kernel, BLOCK_N, BLOCK_H, warps, prefetch or stages)
 # (kind, BLOCK_N, BLOCK_H, warps, loads ahead or stages, register cap or None)
 DECODE_CONFIGS = (("routed", 128, 256, 8, 1, None), ("routed", 64, 128, 4, 1, None), ("routed", 128, 256, 8, 1, 96),
                   ("staged", 128, 256, 4, 3, None), ("staged", 128, 256, 4, 4, None), ("staged", 64, 128, 4, 6, None),
@@ -943,14 +948,14 @@ def _decode_kernel(kind: str, x, m, k_pad: int, block_n: int, block_h: int, warp
     if kind == "staged":
         return int4_decode_staged, (x,), staged_shape(shape, depth)
     if kind == "swapped":
-        return int4_decode_swapped, (x,), {**{k: v for k, v in shape.items() if k != "PREFETCH"},
-                                           "TOKENS": 8 if x.shape[0] <= 8 else 16}
+        return int4_decode_swapped, (x,), {**without_prefetch(shape), "TOKENS": 8 if x.shape[0] <= 8 else 16}
     # the activations' layout made once a step, outside the timed kernel
-    return int4_decode_lean, lean_activations(x), {k: v for k, v in shape.items() if k != "PREFETCH"}
+    return int4_decode_lean, lean_activations(x), without_prefetch(shape)
 
 
 PROFILE_CONFIGS = (("routed", 128, 256, 8, 1), ("staged", 128, 256, 4, 3), ("lean", 128, 256, 8, 2),
                    ("swapped", 128, 256, 8, 1))
+
 
 def decode_report(timer, pkg, spec: str, profile: bool = False, kinds: tuple = ()) -> None:
     """int4_decode_routed against moegen's fused_experts (int4, the same picks and stored
