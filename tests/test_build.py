@@ -511,6 +511,9 @@ QUANTIZED_VARIANTS = {  # the kernels of quantized experts, compiled and looked 
     "tiny_int4_zero": TINY.read_text().replace("hidden_size: 40", "hidden_size: 64").replace(
         _QUANTIZATION_DEFAULTS, "quantization: int4_group\n  quantization_group_size: 32\n  quantization_zero_point: true"),
     "grouped_bf16_fp8": GROUPED_BF16.replace(_QUANTIZATION_DEFAULTS, "quantization: fp8_block"),
+    # int4 in groups of 128 in bf16: the decoding bucket takes the Gluon kernel (runtime/int4_mma.py)
+    "grouped_bf16_int4": GROUPED_BF16.replace("intermediate_size: 64", "intermediate_size: 128").replace(
+        _QUANTIZATION_DEFAULTS, "quantization: int4_group\n  quantization_group_size: 128\n  quantization_zero_point: true"),
 }
 
 
@@ -519,10 +522,11 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
     """A tuning database whose entry for `tail_tokens` has tail rows on 32-row blocks (no
     cost-model default has them) and GEMM2's register cap, on two streams, whose entry for
     `stream_tokens` runs two streams, whose entry for `undecoded_tokens` does not decode, and
-    whose entry for `decoded_tokens` does (int4's defaults do not: the tuner may choose it)."""
+    whose entry for `decoded_tokens` does (int4's defaults do not: the tuner may choose it), with
+    the Gluon int4 kernel where the format takes it."""
     from dataclasses import replace
 
-    from moegen.plan.configs import DECODE_DEFAULT, clamp_tiles, default_config, fit_format
+    from moegen.plan.configs import DECODE_DEFAULT, clamp_tiles, default_config, fit_format, violation
     from moegen.render import kernel_templates
     from moegen.tune import db
 
@@ -534,6 +538,10 @@ def _tuned_beyond_defaults(spec_file: Path, directory: Path, tail_tokens: int, s
     decoded = default_config(ir.signature, ir.target, decoded_tokens)
     if not decoded.decode_block_n:
         decoded = fit_format(clamp_tiles(replace(decoded, **DECODE_DEFAULT), ir.signature), ir.signature)
+    gluon = replace(decoded, decode_block_n=64, decode_block_k=128, decode_block_h=128, decode_num_warps=4,
+                    decode_num_stages=1, decode_int4_mma=True)
+    if violation(gluon, ir.signature, ir.target) is None:
+        decoded = gluon
     metadata = db.current_metadata(ir.target.name, ir.signature, kernel_templates(ir.signature))
     db.save(directory, metadata, {tail_tokens: {"config": tails, "time_us": 1.0},
                                   stream_tokens: {"config": streams, "time_us": 1.0},
@@ -573,8 +581,9 @@ def test_first_launches_find_the_shipped_kernels(spec, tmp_path, sm90_compile_en
                                                        if launch["kernel"].endswith(("_count", "_place", "_finish")) else "")
                for launch in replay["launches"]}
     fp8_rows = {"quantize_rows"} if "fp8" in spec else set()  # the fp8 GEMMs' rows, quantized once
+    decode = "int4_decode_mma" if spec == "grouped_bf16_int4" else "moe_decode"
     assert kernels == {"moe_route_align_count", "moe_route_align_place", "moe_route_align", "moe_gate_up",
-                       "moe_down_reduce", "moe_decode", "moe_decode_finish", *fp8_rows}
+                       "moe_down_reduce", decode, "moe_decode_finish", *fp8_rows}
     assert replay["shipped"] > 0 and replay["tail_row_buckets"] == [64] and replay["two_stream_buckets"] == [16, 64]
     assert replay["eager_decode_bucket"] == 4
     assert [launch for launch in replay["launches"] if launch["compiled"]] == []

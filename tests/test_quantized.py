@@ -28,6 +28,7 @@ FORMATS = {  # name -> the spec's quantization fields
     "int4_g32": dict(quantization="int4_group", quantization_group_size=32),
     "int4_g64_zero": dict(quantization="int4_group", quantization_group_size=64, quantization_zero_point=True),
     "int4_g128": dict(quantization="int4_group", quantization_group_size=128),
+    "int4_g128_zero": dict(quantization="int4_group", quantization_group_size=128, quantization_zero_point=True),
     "fp8_block": dict(quantization="fp8_block"),
     "fp8_channel": dict(quantization="fp8_channel"),
 }
@@ -283,11 +284,15 @@ def test_quantized_kernels_match_the_reference_on_the_gpu(shape, fmt_name, dtype
                   f"{against_plain:.3f}")
 
 
-@pytest.mark.parametrize("fmt_name", ["int4_g128", "int4_g64_zero", "fp8_block"])
+@pytest.mark.parametrize("fmt_name", ["int4_g128", "int4_g128_zero", "int4_g64_zero", "fp8_block"])
 def test_every_decode_tile_the_tuner_tries_matches_the_reference(fmt_name, package_factory):
-    """The one-launch decode kernel at each tile the tuner tries for the format (a wrong candidate
-    is only dropped by the tuner, and a tuning run on the H100 met one): one token and a batch,
-    on a GPU at Qwen3-30B-A3B's shape in bf16, in the interpreter at a small one in float16."""
+    """The decode kernels at each tile the tuner tries for the format (a wrong candidate is only
+    dropped by the tuner, and a tuning run on the H100 met one), routed by fused_moe, by the
+    caller (fused_experts) and on an offload pool's slots with skipped picks: on a GPU at
+    Qwen3-30B-A3B's shape in bf16 (int4 in groups of 128: the Gluon kernel's tiles too), with
+    both of its token tiles; in the interpreter at a small shape in float16."""
+    from moegen.runtime.fused import SKIPPED_PICK, fused_experts, fused_experts_on_slots
+
     fields = FORMATS[fmt_name]
     shape = GPU_SHAPES["qwen3-30b-a3b"] if HAS_GPU else dict(hidden_size=512, intermediate_size=256, num_experts=8,
                                                              top_k=2)
@@ -297,22 +302,38 @@ def test_every_decode_tile_the_tuner_tries_matches_the_reference(fmt_name, packa
     ks, ir = pkg.KERNELS, lower(pkg.SPEC, "decode-tiles.yaml")
     candidates = decode_candidates(ks.configs[0], ir.signature, ir.target, 1)
     assert len(candidates) > 1
+    gluon = [c for c in candidates if c.decode_int4_mma]
+    assert bool(gluon) == (HAS_GPU and fields.get("quantization_group_size") == 128), [c.key for c in gluon]
     device = "cuda" if HAS_GPU else "cpu"
     s13, s2, _ = _stored_experts(pkg, f"decode tiles {fmt_name}", device)
+    scales = scale_arguments(s13, s2)
     g = torch.Generator().manual_seed(_seed("decode tiles", fmt_name))
     wrong = []
-    for tokens in (1, 5):
+    for tokens in (1, 5, 9, 16) if HAS_GPU else (1, 5):
         x = torch.randn(tokens, shape["hidden_size"], generator=g).to(device=device, dtype=ks.dtype)
         logits = _logits(Case("decode", tokens), ks.routing, tokens, g, device)
         weights, ids, _ = ref.route_reference(logits, ks.routing, None)
         expected = ref.quantized_experts_reference(x, weights, ids, s13, s2, ks.weight_format, "silu")
+        # A pool holding every expert in reverse order, and every third pick skipped.
+        slots = shape["num_experts"] - 1 - ids
+        skipped = torch.arange(ids.numel(), device=device).reshape(ids.shape) % 3 == 1
+        slots = torch.where(skipped, SKIPPED_PICK, slots).to(torch.int32)
+        kept = torch.where(skipped, 0.0, weights)
+        expected_kept = ref.quantized_experts_reference(x, kept, ids, s13, s2, ks.weight_format, "silu")
+        pools = {name: value.flip(0) for name, value in s13.items()}, {name: value.flip(0) for name, value in s2.items()}
         for config in candidates:
-            out = fused_moe(ks, x, logits, s13["weight"], s2["weight"], config=config, **scale_arguments(s13, s2))
-            error = ref.relative_error(out, expected)
-            if not error < ref.TOLERANCE[pkg.SPEC.model.dtype]:
-                wrong.append(f"T={tokens} decode n{config.decode_block_n} k{config.decode_block_k} "
-                             f"h{config.decode_block_h} w{config.decode_num_warps} s{config.decode_num_stages}: "
-                             f"relative error {error:.2e}")
+            outs = {"fused_moe": (fused_moe(ks, x, logits, s13["weight"], s2["weight"], config=config, **scales),
+                                  expected),
+                    "fused_experts": (fused_experts(ks, x, weights.float(), ids.to(torch.int32), s13["weight"],
+                                                    s2["weight"], config=config, **scales), expected)}
+            if tokens > 1:  # picks are skipped in batches of two tokens or more (fused_experts_on_slots)
+                outs["slots"] = (fused_experts_on_slots(ks, x, weights.float(), slots, pools[0]["weight"],
+                                                        pools[1]["weight"], config=config, skipped_picks=True,
+                                                        **scale_arguments(*pools)), expected_kept)
+            for path, (out, want) in outs.items():
+                error = ref.relative_error(out, want)
+                if not error < ref.TOLERANCE[pkg.SPEC.model.dtype]:
+                    wrong.append(f"T={tokens} {path} {config.key}: relative error {error:.2e}")
     assert not wrong, "\n".join(wrong)
 
 

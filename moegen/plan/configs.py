@@ -15,6 +15,10 @@ INT4_DECODE_MIN_N = 32
 # (templates/weights_int4_group.jinja's INT4_PTX_MAX_ROWS); int4_pair_ops and int4_swapped choose
 # for larger ones.
 INT4_PTX_MAX_ROWS = 32
+# The Gluon int4 decode kernel (runtime/int4_mma.py): its K step is one group of 128 inputs, GEMM2's
+# slice of I lies within one group, and each warp holds 16 rows of a slice and of an output chunk.
+INT4_MMA_GROUP = 128
+INT4_MMA_SLICES = (64, 128)
 from moegen.plan.cost_model import bucket_cost
 from moegen.runtime.align import RUN_WRAP
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig, decode_grid, pow2_at_least, tma_rows_aligned
@@ -147,6 +151,8 @@ def malformed(c: KernelConfig) -> str | None:
         return "tails_first orders the runs with tail rows: it needs tail_m"
     if c.decode_stagger_k and not c.decode_block_n:
         return "decode_stagger_k staggers the decode kernel's walk: it needs decode_block_n"
+    if c.decode_int4_mma and (not c.decode_block_n or c.decode_stagger_k):
+        return "decode_int4_mma is a decode kernel of its own: it needs decode_block_n, without decode_stagger_k"
     if c.l2_evict_first and not c.tma:
         return "l2_evict_first marks the tensor-descriptor copies: it needs tma"
     if c.group_m not in ROW_GROUPS:
@@ -194,6 +200,8 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
         return "tile wider than the dimension it covers"
     if c.split_k > 1 and (signature.intermediate_size + c.down_block_k - 1) // c.down_block_k < 2 * c.split_k:
         return "split-K finer than two K steps per split"
+    if c.decode_int4_mma:
+        return int4_mma_violation(c, signature)
     if c.decode_block_n:
         if decode_smem_bytes(c, fmt) > limit:
             return f"decode shared memory {decode_smem_bytes(c, fmt)} > {limit}"
@@ -201,6 +209,22 @@ def violation(c: KernelConfig, signature: KernelSignature, target: GpuTarget) ->
             return "decode accumulators exceed the register file"
         if c.decode_block_n > max(16, i) or c.decode_block_k > max(16, h) or c.decode_block_h > max(16, h):
             return "decode tile wider than the dimension it covers"
+    return None
+
+
+def int4_mma_violation(c: KernelConfig, signature: KernelSignature) -> str | None:
+    """Why the Gluon int4 decode kernel cannot run a config's decode tiles on the shape (None if
+    it can); the format is format_violation's."""
+    h, i, n, warp_rows = signature.hidden_size, signature.intermediate_size, c.decode_block_n, 16 * c.decode_num_warps
+    if signature.activation != "silu":
+        return f"decode_int4_mma computes silu(gate) * up: off for activation {signature.activation}"
+    if h % INT4_MMA_GROUP or i % INT4_MMA_GROUP:
+        return f"decode_int4_mma needs hidden and intermediate sizes that are multiples of {INT4_MMA_GROUP}"
+    if n not in INT4_MMA_SLICES or c.decode_block_k != INT4_MMA_GROUP or h % c.decode_block_h:
+        return (f"decode_int4_mma: decode_block_n one of {INT4_MMA_SLICES}, decode_block_k {INT4_MMA_GROUP}, "
+                f"decode_block_h a divisor of {h}")
+    if n % warp_rows or c.decode_block_h % warp_rows:
+        return f"decode_int4_mma: decode_block_n and decode_block_h multiples of 16 rows a warp ({warp_rows})"
     return None
 
 
@@ -224,6 +248,10 @@ def format_violation(c: KernelConfig, fmt: WeightFormat) -> str | None:
         if getattr(c, name) and not int4_large_blocks(c, fmt):
             return (f"{name} chooses how int4_group weights in a 16-bit model are multiplied in row blocks over "
                     f"{INT4_PTX_MAX_ROWS} rows: off for {fmt.quantization} in {fmt.dtype} with block_m {c.block_m}")
+    if c.decode_int4_mma and (fmt.quantization, fmt.group_size, fmt.dtype) != ("int4_group", INT4_MMA_GROUP,
+                                                                               "bfloat16"):
+        return (f"decode_int4_mma multiplies int4_group weights in groups of {INT4_MMA_GROUP} in a bfloat16 model: "
+                f"off for {fmt.quantization} (group {fmt.group_size}) in {fmt.dtype}")
     if fmt.quantization == "int4_group" and 0 < c.decode_block_n < INT4_DECODE_MIN_N:
         return (f"int4_group decode slices of {c.decode_block_n} columns compute wrongly on the GPU (Triton 3.6): "
                 f"decode_block_n {INT4_DECODE_MIN_N} or more")
@@ -236,7 +264,7 @@ def fit_format(c: KernelConfig, signature: KernelSignature) -> KernelConfig:
     if fmt.quantized:
         c = replace(c, tma=False, l2_evict_first=False)
     if fmt.quantization == "fp8_channel":
-        c = replace(c, decode_block_n=0, decode_stagger_k=False)
+        c = c.without_decode()
     if fmt.quantization == "int4_group" and 0 < c.decode_block_n < INT4_DECODE_MIN_N:
         c = replace(c, decode_block_n=INT4_DECODE_MIN_N)
     if not int4_large_blocks(c, fmt):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -83,6 +83,10 @@ class KernelConfig:
     # The decode kernel's GEMM1 walk along H staggered between neighbouring programs, as its
     # GEMM2 walk always is: faster at one token for some shapes, level or slower for others.
     decode_stagger_k: bool = False
+    # int4_group (groups of 128) in a bf16 model: the decode kernel in Gluon (runtime/int4_mma.py),
+    # its slice of I, output chunks and warps from decode_block_n, _h, _num_warps, after the
+    # routing kernel where fused_moe routes (plan.configs.int4_mma_violation: where it applies).
+    decode_int4_mma: bool = False
     # 2: the row blocks in two halves on two CUDA streams, each half GEMM1 then GEMM2, so that
     # one half's GEMM2 runs while the other's GEMM1 drains.
     streams: int = 1
@@ -99,11 +103,16 @@ class KernelConfig:
     # K step waits for its MMA (PTX for sm_90).
     int4_swapped: bool = False
 
+    def without_decode(self) -> "KernelConfig":
+        """The same config on the three-kernel path (no one-launch decode kernel)."""
+        return replace(self, decode_block_n=0, decode_stagger_k=False, decode_int4_mma=False)
+
     @property
     def key(self) -> str:
         """Compact and filename-safe, e.g. m16g1_n64k128w4s4_n64k128w4s4x1 (+ _tma, _t32, _d...)."""
         decode = (f"_d{self.decode_block_n}k{self.decode_block_k}h{self.decode_block_h}"
                   f"w{self.decode_num_warps}s{self.decode_num_stages}" + ("z" if self.decode_stagger_k else "")
+                  + ("m" if self.decode_int4_mma else "")
                   if self.decode_block_n else "")
         return (f"m{self.block_m}g{self.group_m}_n{self.block_n}k{self.block_k}w{self.num_warps}"
                 f"s{self.num_stages}_n{self.down_block_n}k{self.down_block_k}w{self.down_num_warps}"
@@ -144,6 +153,8 @@ class KernelSet:
     # The pass that quantizes the GEMMs' activation rows once, where the weight format multiplies
     # quantized activations (fp8): hidden states before GEMM1, the intermediate before GEMM2.
     quantize_rows: Optional[Callable] = None
+    # The gated activation the kernels were rendered with (configs are checked against it).
+    activation: str = "silu"
 
     def __post_init__(self):
         settle_cache_keys((self.route_align, self.route_count, self.route_place, self.gate_up,
@@ -370,9 +381,15 @@ def _check_config(ks: KernelSet, config: Optional[KernelConfig]) -> None:
     kernels, for one, quantize activations in groups as wide as their K steps."""
     if config is None:
         return
-    from moegen.plan.configs import format_violation  # the plan stage imports this module
+    from moegen.ir import KernelSignature  # the plan stage imports this module
+    from moegen.plan.configs import format_violation, int4_mma_violation
 
-    problem = format_violation(config, ks.weight_format)
+    fmt = ks.weight_format
+    problem = format_violation(config, fmt)
+    if not problem and config.decode_int4_mma:
+        problem = int4_mma_violation(config, KernelSignature(
+            ks.hidden_size, ks.intermediate_size, ks.num_experts, ks.top_k, ks.activation, fmt.dtype,
+            fmt.quantization, fmt.group_size, fmt.zero_point))
     if problem:
         raise ValueError(f"config does not suit this package's {ks.weight_format.quantization} experts: {problem}")
 
@@ -841,6 +858,8 @@ def _decode_routed(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights
                    num_experts: int, scales: WeightScales):
     """The one-launch decode kernel on the caller's picks (num_experts: the weights' first
     dimension, the slots of an offload pool)."""
+    if uses_int4_mma(ks, cfg):
+        return _int4_mma_launches(ks, cfg, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, scales)
     return _decode_launches(ks, cfg, ks.decode_routed, (topk_weights.contiguous(), topk_ids.contiguous()), (),
                             num_experts, decode_routed_block_t(ks, hidden_states.shape[0]), hidden_states, w13, w2,
                             scales)
@@ -849,6 +868,12 @@ def _decode_routed(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights
 def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2,
             scales: WeightScales):
     logits = router_logits.contiguous()
+    if uses_int4_mma(ks, cfg):  # routed by the routing kernel first
+        weights = torch.empty((logits.shape[0], ks.top_k), dtype=torch.float32, device=logits.device)
+        ids = torch.empty((logits.shape[0], ks.top_k), dtype=torch.int32, device=logits.device)
+        bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
+        _align(ks, logits, bias, weights, ids, cfg.block_m, cfg.tail_m, cfg.tails_first, route=True)
+        return _int4_mma_launches(ks, cfg, hidden_states, weights, ids, w13, w2, ks.num_experts, scales)
     # without a bias the kernel never reads the pointer: the workspace stands in
     bias = correction_bias.contiguous() if correction_bias is not None else \
         decode_workspace(ks.hidden_size, hidden_states.device)
@@ -863,7 +888,6 @@ def _decode_launches(ks: KernelSet, cfg: KernelConfig, kernel, routing: tuple, r
     num_tokens, device = hidden_states.shape[0], hidden_states.device
     x, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
     work = decode_workspace(ks.hidden_size, device)
-    out = torch.empty((num_tokens, ks.hidden_size), dtype=ks.dtype, device=device)
     use_tma = uses_tma(ks, cfg) and tma_compatible(w13, w2)
     if use_tma:
         w13_arg = _descriptor(w13, [1, cfg.decode_block_n, cfg.decode_block_k])
@@ -878,9 +902,44 @@ def _decode_launches(ks: KernelSet, cfg: KernelConfig, kernel, routing: tuple, r
            BLOCK_H=cfg.decode_block_h, STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma,
            L2_EVICT_FIRST=l2_evict_first(ks, cfg, use_tma), USE_PDL=pdl,
            num_warps=cfg.decode_num_warps, num_stages=cfg.decode_num_stages)
+    return _decode_finish(ks, work, num_tokens, device, pdl)
+
+
+def _decode_finish(ks: KernelSet, work: torch.Tensor, num_tokens: int, device, pdl: bool) -> torch.Tensor:
+    """The output [T, H] cast from the decode workspace, which is zeroed again."""
+    out = torch.empty((num_tokens, ks.hidden_size), dtype=ks.dtype, device=device)
     launch(ks.decode_finish, (_cdiv(out.numel(), DECODE_FINISH_BLOCK),), None,
            work, out, out.numel(), BLOCK=DECODE_FINISH_BLOCK, num_warps=4, **dependent_launch(pdl))
     return out
+
+
+def uses_int4_mma(ks: KernelSet, cfg: KernelConfig) -> bool:
+    """The Gluon int4 decode kernel where the config takes it and the GPU runs the kernels (Gluon
+    has no interpreter: there the templates' decode kernel runs the config's slices)."""
+    return cfg.decode_int4_mma and not ks.interpreted
+
+
+def int4_mma_constexprs(ks: KernelSet, cfg: KernelConfig, num_tokens: int) -> dict:
+    """The Gluon int4 decode kernel's constexprs and warps for a batch (the build compiles the same)."""
+    return dict(H=ks.hidden_size, I=ks.intermediate_size, TOP_K=ks.top_k, K_PAD=pow2_at_least(ks.top_k),
+                BLOCK_N=cfg.decode_block_n, BLOCK_H=cfg.decode_block_h, NUM_WARPS=cfg.decode_num_warps,
+                ZERO_POINT=ks.weight_format.zero_point, TOKENS=8 if num_tokens <= 8 else 16,
+                num_warps=cfg.decode_num_warps)
+
+
+def _int4_mma_launches(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights, topk_ids, w13, w2,
+                       num_experts: int, scales: WeightScales):
+    """The Gluon int4 decode kernel on picks [T, k] (its programs: every expert of the weights'
+    first dimension, those no token picked end at once), then the finishing kernel."""
+    from moegen.runtime.int4_mma import int4_decode_mma  # Gluon, imported where a config takes it
+
+    num_tokens, device = hidden_states.shape[0], hidden_states.device
+    work = decode_workspace(ks.hidden_size, device)
+    words13, words2 = (w.contiguous().view(torch.int32) for w in (w13, w2))  # eight inputs a word
+    launch(int4_decode_mma, (num_experts, ks.intermediate_size // cfg.decode_block_n), None,
+           hidden_states.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), words13, *scales.w13[:2],
+           words2, *scales.w2[:2], work, num_tokens, **int4_mma_constexprs(ks, cfg, num_tokens))
+    return _decode_finish(ks, work, num_tokens, device, pdl_supported(device))
 
 
 def fused_moe(ks: KernelSet, hidden_states, router_logits, w13, w2, *, correction_bias=None, w13_scale=None,

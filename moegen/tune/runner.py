@@ -330,7 +330,7 @@ def tune(spec_path, *, buckets: Optional[list[int]] = None, save_dir: Optional[P
                 log(f"  bucket {index}/{len(todo)} T={tokens}: {step_name} done, {tried} candidates, "
                     f"best {best_time:.1f} us ({100 * problem.floor_us / best_time:.0f}% of floor)")
 
-            three_kernel, three_kernel_time = replace(default, decode_block_n=0), math.inf
+            three_kernel, three_kernel_time = default.without_decode(), math.inf
             entry = nearest_entry(db, gpu, ir, tokens) if refine else None
             starts = ((entry and space.refine_starts(entry[1], ir.signature, gpu))
                       or space.starting_points(ir.signature, gpu, tokens))

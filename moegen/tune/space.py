@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moegen.ir import KernelSignature
-from moegen.plan.configs import (TAIL_ROWS, clamp_tiles, default_config, descriptors_possible, expects_tail_rows,
-                                 fit_format, int4_large_blocks, two_programs_register_cap, violation)
+from moegen.plan.configs import (INT4_MMA_GROUP, TAIL_ROWS, clamp_tiles, default_config, descriptors_possible,
+                                 expects_tail_rows, fit_format, int4_large_blocks, two_programs_register_cap,
+                                 violation)
 from moegen.runtime.fused import DECODE_MAX_TOKENS, KernelConfig
 from moegen.target import GpuTarget
 
@@ -37,6 +38,9 @@ DOWN_COMPUTE = ((128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128
 DECODE = ((64, 128, 256, 4, 3), (128, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 5),
           (128, 64, 128, 8, 4), (128, 128, 256, 4, 3), (64, 128, 512, 4, 3), (64, 128, 256, 4, 4),
           (32, 128, 256, 4, 4), (16, 256, 256, 4, 4))
+# (block_n, block_h, num_warps) of the Gluon int4 decode kernel (runtime/int4_mma.py): the four
+# timed on the H100 at Mixtral's and Qwen3's shapes (docs/PERFORMANCE.md); its K step is a group.
+INT4_MMA_DECODE = ((128, 256, 8), (128, 256, 4), (64, 128, 4), (64, 256, 4))
 GROUP_ROWS = (1, 2, 4)  # smaller row-block groups than the defaults' 8
 GATE_UP_VARIANTS = {16: GATE_UP_MEMORY, 32: GATE_UP_MEMORY, 64: GATE_UP_MIDDLE, 128: GATE_UP_COMPUTE}
 DOWN_VARIANTS = {16: DOWN_MEMORY, 32: DOWN_MEMORY, 64: DOWN_MIDDLE, 128: DOWN_COMPUTE}
@@ -166,14 +170,16 @@ def decode_candidates(base: KernelConfig, signature: KernelSignature, target, to
     and the offload runtime still use), for buckets small enough to take it."""
     if tokens > DECODE_MAX_TOKENS:
         return []
+    gluon = [replace(base, decode_block_n=n, decode_block_k=INT4_MMA_GROUP, decode_block_h=h, decode_num_warps=w,
+                     decode_num_stages=1, decode_int4_mma=True) for n, h, w in INT4_MMA_DECODE]
     return _keep([replace(base, decode_block_n=n, decode_block_k=k, decode_block_h=h, decode_num_warps=w,
-                          decode_num_stages=s) for n, k, h, w, s in DECODE], signature, target)
+                          decode_num_stages=s) for n, k, h, w, s in DECODE] + gluon, signature, target)
 
 
 def stagger_candidates(base: KernelConfig, signature: KernelSignature, target) -> list[KernelConfig]:
     """A decode config with GEMM1's walk staggered too (Mixtral at one token 1-2.4% faster on
     each of four routing samples, OLMoE 0.2-0.3% slower, DeepSeek-V3 level: measured)."""
-    if not base.decode_block_n or base.decode_stagger_k:
+    if not base.decode_block_n or base.decode_stagger_k or base.decode_int4_mma:
         return []
     return _keep([replace(base, decode_stagger_k=True)], signature, target)
 
@@ -182,7 +188,7 @@ def refine_starts(entry: KernelConfig, signature: KernelSignature, target: GpuTa
     """A refining search's starts: a tuned entry, three-kernel on one stream, and its twin
     multiplied the other way round (int4's large blocks), which wants other tiles: each is
     searched with its own (the dequantization's other form is a step of every search)."""
-    base = _keep([replace(entry, decode_block_n=0, streams=1)], signature, target)
+    base = _keep([replace(entry.without_decode(), streams=1)], signature, target)
     return base + swap_candidates(base[0], signature, target) if base else []
 
 
@@ -190,10 +196,10 @@ def starting_points(signature: KernelSignature, target: GpuTarget, tokens: int) 
     """One start per block_m: the cost model's default with that row block, three-kernel path
     on one stream without tail rows only (the decode kernel, tails and two streams are searched
     after)."""
-    default = replace(default_config(signature, target, tokens, tails=False), decode_block_n=0, streams=1)
+    default = replace(default_config(signature, target, tokens, tails=False).without_decode(), streams=1)
     starts = []
     for bm in block_m_candidates(default):
         start = default if bm == default.block_m else default_config(
             signature, target, max(1, int(tokens * bm / default.block_m)), tails=False)
-        starts.append(replace(start, block_m=bm, decode_block_n=0, streams=1))
+        starts.append(replace(start.without_decode(), block_m=bm, streams=1))
     return _keep(starts, signature, target) or [default]
