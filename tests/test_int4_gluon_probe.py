@@ -74,7 +74,7 @@ def test_probe_arithmetic_is_the_int4_product(probe, repack, block_k):
 
 
 def test_swapped_operand_is_the_b_operand_transposed(probe):
-    """int4_decode_swapped's A operand [N, 32 KB] holds, for weight row n, the MMA inputs the B
+    """int4_decode_mma's A operand [N, 32 KB] (the swapped kind's) holds, for weight row n, the MMA inputs the B
     operand [32 KB, N] of _b_operand holds in column n (rows split n = 16 q + 8 h + g)."""
     g = torch.Generator().manual_seed(81)
     n, kb = 32, 4

@@ -108,23 +108,20 @@ def _with_launcher(compiled) -> None:
         compiled.run  # noqa: B018 - the property loads the binary and builds the launcher
 
 
-def _int4_mma_kernels(ks, cfg, as_dependent: dict) -> list:
+def _int4_mma_kernels(ks, cfg) -> list:
     """The Gluon int4 decode kernel of a config, for batches of up to 8 and up to 16 tokens (its
-    two tiles of tokens), and the decode finish."""
+    two tiles of tokens)."""
     import torch
 
-    from moegen.runtime.fused import DECODE_FINISH_BLOCK, int4_mma_constexprs
+    from moegen.runtime.fused import int4_mma_constexprs
     from moegen.runtime.int4_mma import int4_decode_mma
 
     scale = ks.dtype
     zero = torch.uint8 if ks.weight_format.zero_point else scale  # the scales stand in without zero points
-    compiled = [int4_decode_mma.warmup(ks.dtype, torch.int32, torch.float32, torch.int32, scale, zero, torch.int32,
-                                       scale, zero, torch.float32, 1 << 20, **int4_mma_constexprs(ks, cfg, tokens),
-                                       grid=(1, 1))
-                for tokens in (8, 16)]
-    compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK, num_warps=4,
-                                            **as_dependent, grid=(1,)))
-    return compiled
+    return [int4_decode_mma.warmup(ks.dtype, torch.int32, torch.float32, torch.int32, scale, zero, torch.int32,
+                                   scale, zero, torch.float32, 1 << 20, **int4_mma_constexprs(ks, cfg, tokens),
+                                   grid=(1, 1))
+            for tokens in (8, 16)]
 
 
 def compile_buckets(ks, launchers: bool = False) -> None:
@@ -186,9 +183,13 @@ def compile_buckets(ks, launchers: bool = False) -> None:
             TAIL_SPLIT=cfg.tail_split, HALF_BLOCKS=cfg.half_blocks, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
             INT4_PAIR_OPS=cfg.int4_pair_ops, INT4_SWAPPED=cfg.int4_swapped, **as_dependent, **down_launch(cfg),
             grid=(1, 1)))
-        if cfg.decode_int4_mma and previous < DECODE_MAX_TOKENS:  # the Gluon int4 decode kernel
-            compiled.extend(_int4_mma_kernels(ks, cfg, as_dependent))
-        elif cfg.decode_block_n and previous < DECODE_MAX_TOKENS:  # some of this bucket's batches decode
+        decodes = cfg.decode_block_n and previous < DECODE_MAX_TOKENS  # some of this bucket's batches decode
+        if decodes:  # the finish of either decode kernel
+            compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
+                                                    num_warps=4, **as_dependent, grid=(1,)))
+        if decodes and cfg.decode_int4_mma:  # the Gluon int4 decode kernel
+            compiled.extend(_int4_mma_kernels(ks, cfg))
+        elif decodes:
             w13, w2 = _decode_operands(ks, cfg, use_tma)
             decode_options = dict(BLOCK_N=cfg.decode_block_n, BLOCK_K=cfg.decode_block_k, BLOCK_H=cfg.decode_block_h,
                                   STAGGER_K=cfg.decode_stagger_k, USE_TMA=use_tma, L2_EVICT_FIRST=evict_first,
@@ -203,8 +204,6 @@ def compile_buckets(ks, launchers: bool = False) -> None:
                 compiled.append(ks.decode.warmup(
                     logits_dtype, torch.float32, ks.dtype, w13, *scales13, w2, *scales2, *decode,
                     BLOCK_T=block_t, **decode_options))
-            compiled.append(ks.decode_finish.warmup(torch.float32, ks.dtype, 1 << 20, BLOCK=DECODE_FINISH_BLOCK,
-                                                    num_warps=4, **as_dependent, grid=(1,)))
             # The same for callers who route themselves (their picks as routing gives them:
             # float32 weights, int32 ids), over the batches of this bucket's own.
             own = range(previous + 1, last + 1)

@@ -745,12 +745,19 @@ def _experts(ks, hidden_states, topk_weights, topk_ids, w13, w2, num_experts, co
 def route_and_align(ks: KernelSet, router_logits, correction_bias, block_m: int, tail_m: int = 0,
                     tails_first: bool = False):
     """(flat top-k weights [T*k] float32, Alignment) for router logits [T, E]."""
+    weights, _, aligned = _route(ks, router_logits, correction_bias, block_m, tail_m, tails_first)
+    return weights, aligned
+
+
+def _route(ks: KernelSet, router_logits, correction_bias, block_m: int, tail_m: int, tails_first: bool):
+    """The routing kernels' picks, flat top-k weights (float32) and ids (int32) [T*k], and their
+    Alignment."""
     num_slots, device = router_logits.shape[0] * ks.top_k, router_logits.device
     weights = torch.empty(num_slots, dtype=torch.float32, device=device)
     ids = torch.empty(num_slots, dtype=torch.int32, device=device)
     logits = router_logits.contiguous()
     bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
-    return weights, _align(ks, logits, bias, weights, ids, block_m, tail_m, tails_first, route=True)
+    return weights, ids, _align(ks, logits, bias, weights, ids, block_m, tail_m, tails_first, route=True)
 
 
 def align_picks(ks: KernelSet, topk_ids, weights, block_m: int, tail_m: int = 0,
@@ -867,13 +874,10 @@ def _decode_routed(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights
 
 def _decode(ks: KernelSet, cfg: KernelConfig, hidden_states, router_logits, correction_bias, w13, w2,
             scales: WeightScales):
-    logits = router_logits.contiguous()
-    if uses_int4_mma(ks, cfg):  # routed by the routing kernel first
-        weights = torch.empty((logits.shape[0], ks.top_k), dtype=torch.float32, device=logits.device)
-        ids = torch.empty((logits.shape[0], ks.top_k), dtype=torch.int32, device=logits.device)
-        bias = correction_bias.contiguous() if correction_bias is not None else weights  # unused pointer
-        _align(ks, logits, bias, weights, ids, cfg.block_m, cfg.tail_m, cfg.tails_first, route=True)
+    if uses_int4_mma(ks, cfg):  # routed by the routing kernels first
+        weights, ids, _ = _route(ks, router_logits, correction_bias, cfg.block_m, cfg.tail_m, cfg.tails_first)
         return _int4_mma_launches(ks, cfg, hidden_states, weights, ids, w13, w2, ks.num_experts, scales)
+    logits = router_logits.contiguous()
     # without a bias the kernel never reads the pointer: the workspace stands in
     bias = correction_bias.contiguous() if correction_bias is not None else \
         decode_workspace(ks.hidden_size, hidden_states.device)
@@ -929,7 +933,7 @@ def int4_mma_constexprs(ks: KernelSet, cfg: KernelConfig, num_tokens: int) -> di
 
 def _int4_mma_launches(ks: KernelSet, cfg: KernelConfig, hidden_states, topk_weights, topk_ids, w13, w2,
                        num_experts: int, scales: WeightScales):
-    """The Gluon int4 decode kernel on picks [T, k] (its programs: every expert of the weights'
+    """The Gluon int4 decode kernel on picks [T, k] or flat [T*k] (its programs: every expert of the weights'
     first dimension, those no token picked end at once), then the finishing kernel."""
     from moegen.runtime.int4_mma import int4_decode_mma  # Gluon, imported where a config takes it
 
