@@ -15,10 +15,10 @@
    reference (T <= 4096 only: the reference at T = 16384 costs more than the whole benchmark).
    Routing is uniform random: normal router logits, and for DeepSeek-V3 a correction bias that
    keeps it so (moegen.reference.balanced_correction_bias).
-   Timing: CUDA events, warm-up then the median of repeats, with L2 evicted (a 256 MiB read)
-   before each timed call; moegen and grouped_mm are captured in a CUDA graph and replays are
-   timed, as serving engines run them (the naive loop synchronizes with the host, so it runs
-   eagerly).
+   Timing: CUDA events, 30 ms of calls first (moegen.tune.bench.WARM_UP_S), then the median of
+   repeats, with L2 evicted (a 256 MiB read) before each timed call; moegen and grouped_mm are
+   captured in a CUDA graph and replays are timed, as serving engines run them (the naive loop
+   synchronizes with the host, so it runs eagerly).
    Floor = max(bytes of the distinct experts this routing touches + activations in and out) /
    HBM bandwidth, 6*T*k*H*I / GEMM rate), both measured in step 2. For memory-bound cells also
    the read-only bound: one launch of the fastest streaming read (the same two readers) over
