@@ -653,7 +653,8 @@ def _random_words(n: int, k: int):
     return pack_int4(q[None])[0].view(torch.int32), scale  # moegen's int4 layout as the words the probe loads
 
 
-def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = False, kinds: tuple = ()) -> None:
+def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = False, kinds: tuple = (),
+               one_expert: bool = False) -> None:
     """Per spec, one token: moegen's int4 layer (routing, both GEMMs, the reduction) against the
     probe on the same weight bytes (the top-k experts' W13 and W2 stacked along N), both against
     the read-only bound of those bytes; then the Gluon decode kernel against fused_experts."""
@@ -671,7 +672,7 @@ def gpu_report(specs: list[str], decode_only: bool = False, profile: bool = Fals
         pkg = load(build(Path(spec), Path(tempfile.mkdtemp(prefix="int4-probe-")))[0])
         m = pkg.SPEC.model
         if decode_only or profile:
-            decode_report(timer, pkg, spec, profile, kinds)
+            decode_report(timer, pkg, spec, profile, kinds, one_expert)
             continue
         work = Workload(pkg, torch.device("cuda"), 79)
         x1, logits = work.inputs(1)
@@ -741,10 +742,12 @@ PROFILE_CONFIGS = (("routed", 128, 256, 8, 1), ("staged", 128, 256, 4, 3), ("lea
                    ("swapped", 128, 256, 8, 1))
 
 
-def decode_report(timer, pkg, spec: str, profile: bool = False, kinds: tuple = ()) -> None:
+def decode_report(timer, pkg, spec: str, profile: bool = False, kinds: tuple = (), one_expert: bool = False) -> None:
     """int4_decode_routed against moegen's fused_experts (int4, the same picks and stored
     weights) at 1, 8 and 16 tokens, both checked against the float64 reference of the layer,
-    with the read-only bound of the picked experts' bytes."""
+    with the read-only bound of the picked experts' bytes. one_expert: every pick moved to each
+    token's first expert (fewer programs for the same work a program: does the SMs' throughput or
+    each program's own chain bound the kernel?), checked against fused_experts on those picks."""
     from moegen.bench.cells import Workload
     from moegen.bench.roofline import read_only_us
     from moegen.reference import relative_error
@@ -761,7 +764,11 @@ def decode_report(timer, pkg, spec: str, profile: bool = False, kinds: tuple = (
     for tokens in (1,) if profile else (1, 8, 16):
         x, logits = work.inputs(tokens)
         weights, ids = route(logits, pkg.KERNELS.routing, work.bias)
-        ref = work.reference(x, logits, work.w13, work.w2)
+        if one_expert:
+            ids = ids[:, :1].expand(-1, ids.shape[1]).contiguous()
+            ref = work.experts_call(x, weights, ids, work.w13, work.w2).double()
+        else:
+            ref = work.reference(x, logits, work.w13, work.w2)
         pick_weights, pick_ids = weights.float().contiguous(), ids.to(torch.int32).contiguous()
         if profile:  # one launch of each of the fastest configs per kind, for Nsight Compute
             for kind, block_n, block_h, warps, depth in PROFILE_CONFIGS:
@@ -863,6 +870,8 @@ def main() -> int:
     parser.add_argument("--kinds", default="", help="decode kernels to run (comma-separated: routed, staged, "
                         "lean, swapped; default all)")
     parser.add_argument("--decode-only", action="store_true", help="on a GPU: only the decode kernels' report")
+    parser.add_argument("--one-expert", action="store_true",
+                        help="with --decode-only: every token's picks on its first expert (fewer programs)")
     args = parser.parse_args()
     if args.sass:
         sass_report()
@@ -870,7 +879,7 @@ def main() -> int:
         read_pattern_report()
     elif torch.cuda.is_available():
         gpu_report(args.specs.split(","), args.decode_only, args.profile,
-                   tuple(kind for kind in args.kinds.split(",") if kind))
+                   tuple(kind for kind in args.kinds.split(",") if kind), args.one_expert)
     else:
         print("no GPU: run with --sass to count instructions, or on a GPU to check and time", file=sys.stderr)
         return 2
