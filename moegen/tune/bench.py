@@ -84,14 +84,11 @@ WARM_UP_S = 0.03
 
 
 def _keep_busy(fn: Callable[[], object], seconds: float) -> None:
-    """Calls of fn, each after an L2 eviction, for at least `seconds` of wall time."""
+    """Calls of fn as they are sampled (_evicted_samples), for at least `seconds` of wall time."""
     start = time.perf_counter()
-    while True:
-        _evict_l2()
-        fn()
-        torch.cuda.synchronize()
-        if time.perf_counter() - start >= seconds:
-            return
+    _evicted_samples(fn, 1)
+    while time.perf_counter() - start < seconds:
+        _evicted_samples(fn, 1)
 
 
 def time_evicted(fn: Callable[[], object], warmup: int = 2, target_s: float = JUDGED_TIMING_S, min_reps: int = 5,
