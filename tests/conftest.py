@@ -49,6 +49,16 @@ def tool_smoke_report(tool: str, report: str, tmp_path: Path, *args: str) -> str
     return (tmp_path / report).read_text()
 
 
+def load_tool(name: str):
+    """tools/<name>.py imported as module `name` (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def shared_trace(name: str) -> Path:
     """The path of ../shared/traces/<name>.jsonl.gz, or a skip that says what the folder is."""
     path = TRACES_DIR / f"{name}.jsonl.gz"

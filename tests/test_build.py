@@ -642,11 +642,9 @@ def test_kernel_fingerprint_comparison_counts_identical_variants_per_kernel():
     """tools/kernel_fingerprint.py --compare: per kernel (shape and launch settings aside), the
     variants compiled before an edit and how many of them compile identically after it (two
     buckets' identical variants count twice)."""
-    import importlib.util
+    from conftest import load_tool
 
-    spec = importlib.util.spec_from_file_location("kernel_fingerprint", REPO / "tools" / "kernel_fingerprint.py")
-    fingerprint = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fingerprint)
+    fingerprint = load_tool("kernel_fingerprint")
     gate_up, other_shape = ("moe_gate_up_silu_bf16_h2048_i768_e128_k8 warps=8 stages=4",
                             "moe_gate_up_gelu_fp32_h40_i24_e6_k2 warps=4 stages=3")
     count = "moe_route_align_silu_bf16_h2048_i768_e128_k8_count warps=4 stages=3"

@@ -6,8 +6,6 @@ layout. The kernels themselves are compiled for sm_90 (no GPU needed): each layo
 the MMA operand must be trivial."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 import torch
 
 from moegen.quant.quantize import pack_int4
+from conftest import load_tool
 from test_int4_ptx import run_ptx
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "int4_gluon_probe.py"
@@ -24,10 +23,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "int4_gluon_probe.py"
 @pytest.fixture(scope="module")
 def probe():
     pytest.importorskip("triton.experimental.gluon")
-    spec = importlib.util.spec_from_file_location("int4_gluon_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("int4_gluon_probe")
 
 
 def _unpacked(probe, words: torch.Tensor) -> torch.Tensor:
@@ -86,12 +82,11 @@ def test_swapped_operand_is_the_b_operand_transposed(probe):
     torch.testing.assert_close(a, b.T, rtol=0, atol=0)
 
 
-def test_probe_compiles_for_hopper_with_its_operand_in_place(probe, tmp_path):
+def test_probe_compiles_for_hopper_with_its_operand_in_place(probe, tmp_path, no_interpreter_env):
     # Its own process: this one's Triton interprets (the conftest), and Gluon compiles only. A
     # fresh cache, so that it compiles: assert_trivial fails the build if the dequantized tile
     # needs a conversion to be the MMA operand.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env = dict(no_interpreter_env, TRITON_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, str(TOOL), "--sass"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()

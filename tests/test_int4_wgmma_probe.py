@@ -5,8 +5,6 @@ in the inputs' own order, so that the activations need no permutation. The kerne
 compiled for sm_90 (no GPU needed): each layout conversion to the wgmma operand must be trivial."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import load_tool
 from test_int4_gluon_probe import _unpacked, probe  # noqa: F401 - the fixture
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "int4_wgmma_probe.py"
@@ -22,10 +21,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "int4_wgmma_probe.py"
 @pytest.fixture(scope="module")
 def wgmma_probe():
     pytest.importorskip("triton.experimental.gluon")
-    spec = importlib.util.spec_from_file_location("int4_wgmma_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("int4_wgmma_probe")
 
 
 def test_natural_words_put_each_input_where_the_mma_takes_it(probe, wgmma_probe):  # noqa: F811
@@ -41,11 +37,10 @@ def test_natural_words_put_each_input_where_the_mma_takes_it(probe, wgmma_probe)
         torch.testing.assert_close(a, 128.0 + q[:, k0:k0 + 128].double(), rtol=0, atol=0)
 
 
-def test_wgmma_probe_compiles_for_hopper_with_its_operand_in_place(wgmma_probe, tmp_path):
+def test_wgmma_probe_compiles_for_hopper_with_its_operand_in_place(wgmma_probe, tmp_path, no_interpreter_env):
     # Its own process, a fresh cache (as test_int4_gluon_probe's): assert_trivial fails the build
     # if the dequantized tile needs a conversion to be wgmma's register operand.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env = dict(no_interpreter_env, TRITON_CACHE_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, str(TOOL), "--compile"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     tiles = [line for line in run.stdout.splitlines() if line.startswith("BLOCK_N")]

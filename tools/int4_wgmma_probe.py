@@ -65,8 +65,7 @@ def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: 
     """out [M, N] (bf16) = x [M, K] @ dequant(w)^T; w as int32 words [N, K / 8] of natural_words'
     layout, scales [N, K / 128] (bf16), zero points [N, K / 128] (uint8). Program (n, m) tile."""
     KB: gl.constexpr = GROUP // 32
-    STEPS: gl.constexpr = K // GROUP
-    groups: gl.constexpr = K // GROUP
+    STEPS: gl.constexpr = K // GROUP  # one group of scales a step
     acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     w_layout: gl.constexpr = swapped_words_layout(KB, NUM_WARPS)
@@ -93,7 +92,7 @@ def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: 
         cp.commit_group()
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-    scale, shift = _row_values(s_ptr, z_ptr, rows, 0, groups, ZERO_POINT)
+    scale, shift = _row_values(s_ptr, z_ptr, rows, 0, STEPS, ZERO_POINT)
     for step in range(STEPS):
         cp.wait_group(STAGES - 3)
         gl.thread_barrier()  # every thread's copies of this step have landed
@@ -104,7 +103,7 @@ def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: 
                                       [q, gl.broadcast(scale[:, None], q)[0], gl.broadcast(shift[:, None], q)[0]],
                                       dtype=gl.bfloat16, is_pure=True, pack=2)
         if step + 1 < STEPS:
-            scale, shift = _row_values(s_ptr, z_ptr, rows, step + 1, groups, ZERO_POINT)
+            scale, shift = _row_values(s_ptr, z_ptr, rows, step + 1, STEPS, ZERO_POINT)
         acc = warpgroup_mma(a, x_ring.index(slot).permute([1, 0]), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[acc])
         ahead = step + STAGES - 2
