@@ -7,18 +7,21 @@ by cp.async into a ring of STAGES slots, the words are unpacked (the decode kern
 scaled into bf16 in the layout of wgmma's register A operand (the weights are A: out^T = W x^T,
 16 rows a warp), and the step's wgmma runs while the next step's operands are unpacked.
 
-Dense first (no expert routing): out [M, N] = x [M, K] @ dequant(W [N, K])^T with groups of 128
-inputs a scale (and zero point), the weights repacked at load time so that the unpacked nibbles
-come out in the MMA's input order (`natural_words`). Against cuBLAS's bf16 GEMM on the
-dequantized weights, the rate int4 prefill is measured against (0.9x its target).
+Dense: out [M, N] = x [M, K] @ dequant(W [N, K])^T with groups of 128 inputs a scale (and
+zero point), the weights repacked at load time so that the unpacked nibbles come out in the
+MMA's input order (`natural_words`); against cuBLAS's bf16 GEMM on the dequantized weights.
+Routed (`int4_wgmma_gate_up`): the layer's GEMM1 on moegen's own int4 layout and alignment
+(sorted slots, one expert a row block), a tile's rows half gate and half up so that the
+activation is fused; the activations permuted once per 128-group instead of the weights
+(`permuted_activations`); against torch.bmm on the same FLOPs in bf16.
 
     python tools/int4_wgmma_probe.py --compile     # CPU: compile for sm_90, registers and SASS
     PYTHONPATH=. python tools/int4_wgmma_probe.py  # GPU: each tile checked against float64, then
-                                                   # timed against cuBLAS
-Status (docs/PERFORMANCE.md, ideas table): one H100 run of an earlier version, 0.63-0.68x cuBLAS
-with wrong sums; two faults fixed since (the dequantization's shift rounded before the FMA; a
-ring slot refilled while the other warpgroup's wgmma could still read it), not yet run on a GPU.
-The packing is checked on the CPU (tests/test_int4_wgmma_probe.py).
+                                                   # timed against cuBLAS / torch.bmm
+Status (docs/PERFORMANCE.md, ideas table): dense, H100 2026-12-07 19:53, every tile right
+(1.7e-3) except 256 x 128 with 4 stages on 8 warps; 0.62x cuBLAS at best (128 x 128, 4 stages)
+on Mixtral's W13 shape. The 16-warp tiles and the routed GEMM1 are compiled and packing-checked
+on the CPU (tests/test_int4_wgmma_probe.py), not yet run on a GPU.
 """
 import argparse
 import sys
@@ -59,28 +62,16 @@ def _row_values(s_ptr, z_ptr, rows, group, groups: gl.constexpr, ZERO_POINT: gl.
 
 
 @gluon.jit
-def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: gl.constexpr,
-                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                    ZERO_POINT: gl.constexpr):
-    """out [M, N] (bf16) = x [M, K] @ dequant(w)^T; w as int32 words [N, K / 8] of natural_words'
-    layout, scales [N, K / 128] (bf16), zero points [N, K / 128] (uint8). Program (n, m) tile."""
+def _k_loop(words, x_ptrs, x_mask, s_rows, z_rows, rows, STEPS: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, ZERO_POINT: gl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (float32) = dequant(words' rows) @ x rows^T over STEPS groups of 128
+    inputs, and the token ring (free for the epilogue: every copy has landed and been read)."""
     KB: gl.constexpr = GROUP // 32
-    STEPS: gl.constexpr = K // GROUP  # one group of scales a step
     acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     w_layout: gl.constexpr = swapped_words_layout(KB, NUM_WARPS)
-    x_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NUM_WARPS, 1], [1, 0])
     words_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1, 2, 3, 4])
     x_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    rows_a: gl.constexpr = gl.SliceLayout(1, a_layout)
-
-    n0 = gl.program_id(0) * BLOCK_N
-    m0 = gl.program_id(1) * BLOCK_M
-    words = _swapped_words(w_ptr, n0, K // 8, BLOCK_N, KB, w_layout)
-    xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
-    x_ptrs = x_ptr + xm.to(gl.int64)[:, None] * K + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
-    x_mask = (xm < M)[:, None]
-    rows = n0 + gl.arange(0, BLOCK_N, layout=rows_a)
 
     w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, KB, 4, BLOCK_N // 16, 2, 8], words_smem)
     x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, GROUP], x_smem_layout)
@@ -92,7 +83,7 @@ def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: 
         cp.commit_group()
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=acc_layout)
-    scale, shift = _row_values(s_ptr, z_ptr, rows, 0, STEPS, ZERO_POINT)
+    scale, shift = _row_values(s_rows, z_rows, rows, 0, STEPS, ZERO_POINT)
     for step in range(STEPS):
         cp.wait_group(STAGES - 3)
         gl.thread_barrier()  # every thread's copies of this step have landed
@@ -103,7 +94,7 @@ def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: 
                                       [q, gl.broadcast(scale[:, None], q)[0], gl.broadcast(shift[:, None], q)[0]],
                                       dtype=gl.bfloat16, is_pure=True, pack=2)
         if step + 1 < STEPS:
-            scale, shift = _row_values(s_ptr, z_ptr, rows, step + 1, STEPS, ZERO_POINT)
+            scale, shift = _row_values(s_rows, z_rows, rows, step + 1, STEPS, ZERO_POINT)
         acc = warpgroup_mma(a, x_ring.index(slot).permute([1, 0]), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[acc])
         ahead = step + STAGES - 2
@@ -112,10 +103,156 @@ def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: 
             cp.async_copy_global_to_shared(x_ring.index(ahead % STAGES), x_ptrs + ahead * GROUP, mask=x_mask)
         cp.commit_group()
     acc = warpgroup_mma_wait(0, deps=[acc])
+    cp.wait_group(0)
+    gl.thread_barrier()
+    return acc, x_ring
 
+
+@gluon.constexpr_function
+def tokens_layout(num_warps):
+    """Token rows [rows, 128] as cp.async copies them: eight inputs (16 bytes) a thread."""
+    return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _tile_rows(n0, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Weight rows n0.. in the layout of the A operand's rows (for their scales)."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(NUM_WARPS, BLOCK_M), k_width=2)
+    return n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout))
+
+
+@gluon.jit
+def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                    ZERO_POINT: gl.constexpr):
+    """out [M, N] (bf16) = x [M, K] @ dequant(w)^T; w as int32 words [N, K / 8] of natural_words'
+    layout, scales [N, K / 128] (bf16), zero points [N, K / 128] (uint8). Program (n, m) tile."""
+    KB: gl.constexpr = GROUP // 32
+    x_layout: gl.constexpr = tokens_layout(NUM_WARPS)
+    n0 = gl.program_id(0) * BLOCK_N
+    m0 = gl.program_id(1) * BLOCK_M
+    words = _swapped_words(w_ptr, n0, K // 8, BLOCK_N, KB, swapped_words_layout(KB, NUM_WARPS))
+    xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    x_ptrs = x_ptr + xm.to(gl.int64)[:, None] * K + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
+    rows = _tile_rows(n0, BLOCK_N, NUM_WARPS, BLOCK_M)
+    acc, _ = _k_loop(words, x_ptrs, (xm < M)[:, None], s_ptr, z_ptr, rows, K // GROUP, BLOCK_N, BLOCK_M, STAGES,
+                     NUM_WARPS, ZERO_POINT)
+    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
     on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
     gl.store(out_ptr + om.to(gl.int64)[None, :] * N + on[:, None], acc.to(gl.bfloat16), mask=(om < M)[None, :])
+
+
+@gluon.jit
+def _gate_up_words(ptr, n0, row_words, I: gl.constexpr, BLOCK_N: gl.constexpr, KB: gl.constexpr,
+                   layout: gl.constexpr):
+    """_swapped_words' pointers for a tile whose first half is gate rows n0.. and second half up
+    rows I + n0.. (moegen's w13: gate then up along N), so that one tile's MMA gives both."""
+    l4: gl.constexpr = gl.SliceLayout(4, layout)
+    l3: gl.constexpr = gl.SliceLayout(3, l4)
+    l2: gl.constexpr = gl.SliceLayout(2, l3)
+    ob = gl.arange(0, KB, layout=gl.SliceLayout(1, l2))[:, None, None, None, None]
+    ot = gl.arange(0, 4, layout=gl.SliceLayout(0, l2))[None, :, None, None, None]
+    oq = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))[None, None, :, None, None]
+    oh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
+    og = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
+    r = 16 * oq + 8 * oh[None, None, None, :, None] + og[None, None, None, None, :]
+    return ptr + _gate_up_row(n0, r, I, BLOCK_N).to(gl.int64) * row_words + ot * KB + ob
+
+
+@gluon.jit
+def _gate_up_row(n0, r, I: gl.constexpr, BLOCK_N: gl.constexpr):
+    HALF: gl.constexpr = BLOCK_N // 2
+    return gl.where(r < HALF, n0 + r, I - HALF + n0 + r)
+
+
+@gluon.jit
+def int4_wgmma_gate_up(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, slots_ptr, experts_ptr, padded_ptr, num_slots,
+                       H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                       ZERO_POINT: gl.constexpr):
+    """GEMM1 of the routed layer: inter [rows, I] (bf16) = silu(x W_gate^T) * (x W_up^T) for the
+    row block's tokens (sorted slots of one expert, moegen's alignment with group_m 1), BLOCK_N / 2
+    columns of I a program. x is [T, H] with each group of 128 inputs permuted to the order the
+    stored words' nibbles come in (permuted_activations); w13 words [E, 2 I, H / 8] in moegen's
+    layout. inter is written in the same permuted order, as GEMM2 reads it."""
+    KB: gl.constexpr = GROUP // 32
+    HALF: gl.constexpr = BLOCK_N // 2
+    gl.static_assert(STAGES * GROUP * 2 >= BLOCK_N * 4, "the token ring stages the float32 tile at the end")
+    gl.static_assert(HALF % GROUP == 0 or GROUP % HALF == 0, "the intermediate's permutation within groups")
+    x_layout: gl.constexpr = tokens_layout(NUM_WARPS)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(NUM_WARPS, BLOCK_M), k_width=2)
+
+    n0 = gl.program_id(0) * HALF
+    m0 = gl.program_id(1) * BLOCK_M
+    if m0 >= gl.load(padded_ptr):
+        return
+    expert = gl.load(experts_ptr + gl.program_id(1)).to(gl.int64)
+    words = _gate_up_words(w_ptr + expert * (2 * I * (H // 8)), n0, H // 8, I, BLOCK_N, KB,
+                           swapped_words_layout(KB, NUM_WARPS))
+    xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    slot = gl.load(slots_ptr + xm)
+    x_ptrs = (x_ptr + (slot // TOP_K).to(gl.int64)[:, None] * H
+              + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :])
+    rows = _gate_up_row(n0, gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout)), I, BLOCK_N)
+    acc, x_ring = _k_loop(words, x_ptrs, (slot < num_slots)[:, None], s_ptr + expert * (2 * I * (H // GROUP)),
+                          z_ptr + expert * (2 * I * (H // GROUP)), rows, H // GROUP, BLOCK_N, BLOCK_M, STAGES,
+                          NUM_WARPS, ZERO_POINT)
+
+    # Gate and up meet in one thread through shared memory (the token ring, no longer read).
+    epi_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NUM_WARPS, 1], [1, 0])
+    staged = x_ring._reinterpret(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    staged.store(acc)
+    gl.thread_barrier()
+    gate = staged.slice(0, HALF).load(epi_layout)
+    up = staged.slice(HALF, HALF).load(epi_layout)
+    h = (gate / (1.0 + gl.exp(-gate)) * up).to(gl.bfloat16)
+    column = _stored_position(n0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, epi_layout)))
+    om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi_layout))
+    gl.store(inter_ptr + om.to(gl.int64)[None, :] * I + column[:, None], h)
+
+
+@gluon.jit
+def _stored_position(j):
+    """Where input j of a 128-group goes in permuted_activations' order: the inverse of
+    activation_positions (input 32 t + 8 (2 i + d) + 4 e + 2 a + c to 64 i + 32 d + 16 a + 8 c + 2 t + e)."""
+    g = j - j % GROUP
+    j = j % GROUP
+    t, i, d, e, a, c = j // 32, (j // 16) % 2, (j // 8) % 2, (j // 4) % 2, (j // 2) % 2, j % 2
+    return g + 64 * i + 32 * d + 16 * a + 8 * c + 2 * t + e
+
+
+@gluon.jit
+def int4_wgmma_down(inter_ptr, w_ptr, s_ptr, z_ptr, out_ptr, weights_ptr, slots_ptr, experts_ptr, padded_ptr,
+                    num_slots, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                    ZERO_POINT: gl.constexpr):
+    """GEMM2 of the routed layer: out [T, H] (float32) += router weight * inter rows @ W_down^T for
+    the row block's slots, BLOCK_N rows of H a program; inter [rows, I] as int4_wgmma_gate_up writes
+    it (permuted within groups), w2 words [E, H, I / 8] in moegen's layout."""
+    KB: gl.constexpr = GROUP // 32
+    x_layout: gl.constexpr = tokens_layout(NUM_WARPS)
+    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
+    n0 = gl.program_id(0) * BLOCK_N
+    m0 = gl.program_id(1) * BLOCK_M
+    if m0 >= gl.load(padded_ptr):
+        return
+    expert = gl.load(experts_ptr + gl.program_id(1)).to(gl.int64)
+    words = _swapped_words(w_ptr + expert * (H * (I // 8)), n0, I // 8, BLOCK_N, KB,
+                           swapped_words_layout(KB, NUM_WARPS))
+    xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    x_ptrs = inter_ptr + xm.to(gl.int64)[:, None] * I + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
+    rows = _tile_rows(n0, BLOCK_N, NUM_WARPS, BLOCK_M)
+    acc, _ = _k_loop(words, x_ptrs, (xm >= 0)[:, None], s_ptr + expert * (H * (I // GROUP)),
+                     z_ptr + expert * (H * (I // GROUP)), rows, I // GROUP, BLOCK_N, BLOCK_M, STAGES, NUM_WARPS,
+                     ZERO_POINT)
+    om = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_layout))
+    slot = gl.load(slots_ptr + om)
+    kept = slot < num_slots
+    weight = gl.load(weights_ptr + slot, mask=kept, other=0.0)
+    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    gl.atomic_add(out_ptr + (slot // TOP_K).to(gl.int64)[None, :] * H + on[:, None], acc * weight[None, :],
+                  mask=kept[None, :], sem="relaxed")
 
 
 def natural_order() -> torch.Tensor:
@@ -141,9 +278,10 @@ def natural_words(q: torch.Tensor) -> torch.Tensor:
 
 # (BLOCK_N weight rows, BLOCK_M tokens, STAGES, warps): each K step reads BLOCK_M token rows
 # (256 bytes each) and BLOCK_N weight rows (64 bytes) for 2 * BLOCK_N * BLOCK_M * 128 FLOP, so the
-# token tile sets the L2 traffic: 128 x 128 needs ~6.7 TB/s of L2 at cuBLAS's rate, 256 x 128 ~4.
-CONFIGS = ((128, 128, 4, 8), (128, 128, 3, 8), (256, 128, 3, 8), (256, 128, 4, 8), (128, 256, 3, 8),
-           (256, 64, 4, 8), (128, 64, 4, 4))
+# token tile sets the L2 traffic: 128 x 128 needs ~6.7 TB/s of L2 at cuBLAS's rate, 256 x 128 ~4
+# (16 warps: four warpgroups of 64 weight rows share each token tile).
+CONFIGS = ((128, 128, 4, 8), (128, 128, 5, 8), (256, 128, 4, 16), (256, 128, 3, 16), (256, 64, 6, 16),
+           (128, 64, 6, 4), (128, 64, 8, 4), (64, 128, 6, 4))
 SHAPES = (("Mixtral W13", 4096, 28672, 4096), ("Qwen3 W13", 4096, 1536, 2048))
 
 
@@ -152,25 +290,45 @@ def _constexprs(config) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, NUM_WARPS=warps)
 
 
-def compile_report() -> None:
+def _compile(kernel_fn, signature: dict, constexprs: dict, warps: int):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    src = GluonASTSource(kernel_fn, {**signature, **{key: "constexpr" for key in constexprs}},
+                         constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def compiled_kernels():
+    """(name, config, compiled kernel or the error) of every dense and routed tile, for sm_90."""
+    dense = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16", "M": "i32"}
+    routed = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "inter_ptr": "*bf16",
+              "slots_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32", "num_slots": "i32"}
+    cases = [("dense", config, int4_wgmma_gemm, dense, {"N": 28672, "K": 4096}) for config in CONFIGS]
+    down = {"inter_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*fp32",
+            "weights_ptr": "*fp32", "slots_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32",
+            "num_slots": "i32"}
+    mixtral = {"H": 4096, "I": 14336, "TOP_K": 2}
+    cases += [("gate_up", config, int4_wgmma_gate_up, routed, mixtral) for config in ROUTED_CONFIGS]
+    cases += [("down", config, int4_wgmma_down, down, mixtral) for config in ROUTED_CONFIGS]
+    for name, config, kernel_fn, signature, shape in cases:
+        try:
+            kernel = _compile(kernel_fn, signature, {**shape, **_constexprs(config), "ZERO_POINT": True}, config[3])
+        except Exception as error:  # e.g. a layout the A operand cannot take without moves
+            kernel = error
+        yield name, config, kernel
+
+
+def compile_report() -> None:
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from int4_gluon_probe import loop_counts, registers
 
-    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16", "M": "i32"}
-    for config in CONFIGS:
-        constexprs = {"N": 28672, "K": 4096, **_constexprs(config), "ZERO_POINT": True}
-        src = GluonASTSource(int4_wgmma_gemm, {**signature, **{key: "constexpr" for key in constexprs}},
-                             constexprs=constexprs, attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
-        try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config[3]})
-        except Exception as error:  # e.g. a layout the A operand cannot take without moves
-            print(f"{config}: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+    for name, config, kernel in compiled_kernels():
+        if isinstance(kernel, Exception):
+            print(f"{name} {config}: {type(kernel).__name__}: {str(kernel).splitlines()[0][:200]}", flush=True)
             continue
         loop = max(loop_counts(kernel.asm["cubin"]), key=lambda ops: ops.total())
-        print(f"BLOCK_N, BLOCK_M, STAGES, warps {config}: {registers(kernel.asm['cubin'])} registers, "
+        print(f"{name} BLOCK_N, BLOCK_M, STAGES, warps {config}: {registers(kernel.asm['cubin'])} registers, "
               f"{kernel.metadata.shared} bytes of shared memory; K loop {loop.total()} instructions "
               f"({loop['HGMMA']} HGMMA)", flush=True)
 
@@ -224,6 +382,118 @@ def gpu_report() -> None:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             us = timer.median_us(_launcher(config, x, words, scale, zero, out))
             print(f"  {config}: {us:.1f} us ({flops / us / 1e6:.0f} TFLOP/s, {peer / us:.2f}x cuBLAS)", flush=True)
+    routed_report(timer)
+
+
+def activation_positions() -> torch.Tensor:
+    """pos[L]: the input of a 128-wide step whose weight MMA input L multiplies when the words are
+    stored in moegen's order (the inverse of natural_order)."""
+    return torch.argsort(natural_order())
+
+
+def permuted_activations(x: torch.Tensor) -> torch.Tensor:
+    t, h = x.shape
+    return x.view(t, h // GROUP_SIZE, GROUP_SIZE)[:, :, activation_positions().to(x.device)].reshape(t, h)
+
+
+# Routed tiles: (BLOCK_N weight rows (GEMM1: half gate, half up), BLOCK_M slots, STAGES, warps).
+ROUTED_CONFIGS = ((128, 128, 4, 8), (256, 128, 4, 16), (128, 64, 6, 4))
+ROUTED_SHAPES = (("Mixtral", 8, 4096, 14336, 2, 4096), ("Qwen3", 128, 2048, 768, 8, 4096))
+
+
+def _int4_weights(e: int, n: int, k: int) -> dict:
+    """Random int4 weights with zero points in moegen's layout, and what they stand for in bf16."""
+    from moegen.quant.quantize import pack_int4
+
+    q = torch.randint(0, 16, (e, n, k), device="cuda", dtype=torch.uint8)
+    scale = (torch.rand(e, n, k // GROUP_SIZE, device="cuda") * 0.02 + 0.001).to(torch.bfloat16)
+    zero = torch.randint(0, 16, (e, n, k // GROUP_SIZE), device="cuda", dtype=torch.uint8)
+    return dict(words=pack_int4(q).view(torch.int32), scale=scale, zero=zero, q=q)
+
+
+def _dequantized(w: dict) -> torch.Tensor:
+    groups = lambda t: t.double().repeat_interleave(GROUP_SIZE, 2)  # noqa: E731
+    return ((w["q"].double() - groups(w["zero"])) * groups(w["scale"])).to(torch.bfloat16).double()
+
+
+def _routed_problem(e: int, h: int, i: int, k: int, t: int, block_m: int) -> dict:
+    from moegen.runtime.align import align_tokens
+
+    ids = torch.rand(t, e, device="cuda").topk(k, dim=1).indices
+    return dict(w13=_int4_weights(e, 2 * i, h), w2=_int4_weights(e, h, i), h=h, i=i, top_k=k, num_slots=t * k,
+                x=torch.randn(t, h, device="cuda", dtype=torch.bfloat16),
+                weights=torch.rand(t * k, device="cuda", dtype=torch.float32) + 0.1,
+                aligned=align_tokens(ids, e, block_m))
+
+
+def _routed_launchers(config, p):
+    """GEMM1 and GEMM2 as two callables on the problem's buffers, and the intermediate and output."""
+    block_n, block_m, stages, warps = config
+    a, h, i = p["aligned"], p["h"], p["i"]
+    inter = torch.empty(a.max_padded, i, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(p["x"].shape[0], h, device="cuda", dtype=torch.float32)
+    x = permuted_activations(p["x"])
+    tiles = dict(H=h, I=i, TOP_K=p["top_k"], BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, NUM_WARPS=warps,
+                 ZERO_POINT=True, num_warps=warps)
+    w13, w2, blocks = p["w13"], p["w2"], a.max_padded // block_m
+    gate_up = lambda: int4_wgmma_gate_up[(2 * i // block_n, blocks)](  # noqa: E731
+        x, w13["words"], w13["scale"], w13["zero"], inter, a.sorted_slots, a.block_runs, a.num_padded,
+        p["num_slots"], **tiles)
+    down = lambda: int4_wgmma_down[(h // block_n, blocks)](  # noqa: E731
+        inter, w2["words"], w2["scale"], w2["zero"], out, p["weights"], a.sorted_slots, a.block_runs, a.num_padded,
+        p["num_slots"], **tiles)
+    return gate_up, down, inter, out
+
+
+def _routed_errors(config) -> tuple[float, float]:
+    """GEMM1's rows and the layer's output against float64, at a small shape off the tiles."""
+    e, h, i, k, t = 4, 512, 256, 2, 300
+    p = _routed_problem(e, h, i, k, t, config[1])
+    gate_up, down, inter, out = _routed_launchers(config, p)
+    gate_up()
+    down()
+    a = p["aligned"]
+    slots = a.sorted_slots[:a.max_padded].long()
+    kept = slots < p["num_slots"]
+    experts = a.block_runs.long().repeat_interleave(config[1])[kept]
+    slots = slots[kept]
+    gu = torch.einsum("rh,rnh->rn", p["x"].double()[slots // k], _dequantized(p["w13"])[experts])
+    ref_inter = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+    # Input j of a group sits at natural_order()[j] of the permuted order GEMM1 writes.
+    stored = (natural_order().repeat(i // GROUP_SIZE) + torch.arange(i) // GROUP_SIZE * GROUP_SIZE).cuda()
+    got_inter = inter[kept].double()[:, stored]
+    down_rows = torch.einsum("ri,rhi->rh", ref_inter, _dequantized(p["w2"])[experts]) * p["weights"][slots, None]
+    ref_out = torch.zeros(t, h, dtype=torch.float64, device="cuda").index_add_(0, slots // k, down_rows)
+    rel = lambda got, ref: ((got - ref).norm() / ref.norm()).item()  # noqa: E731
+    return rel(got_inter, ref_inter), rel(out.double(), ref_out)
+
+
+def routed_report(timer) -> None:
+    for config in ROUTED_CONFIGS:
+        try:
+            inter_err, out_err = _routed_errors(config)
+        except Exception as error:
+            print(f"  routed {config}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            continue
+        print(f"  routed check {config}: GEMM1 error {inter_err:.1e}, layer error {out_err:.1e}", flush=True)
+        if max(inter_err, out_err) > 1e-2:
+            continue
+        for name, e, h, i, k, t in ROUTED_SHAPES:
+            p = _routed_problem(e, h, i, k, t, config[1])
+            gate_up, down, _, out = _routed_launchers(config, p)
+            gate_up_us, down_us = timer.median_us(gate_up), timer.median_us(down)
+            rows = t * k // e  # the same FLOPs as uniform batched GEMMs on bf16 weights
+            xs = torch.randn(e, rows, h, device="cuda", dtype=torch.bfloat16)
+            w13 = torch.randn(e, h, 2 * i, device="cuda", dtype=torch.bfloat16)
+            w2 = torch.randn(e, i, h, device="cuda", dtype=torch.bfloat16)
+            inter = torch.randn(e, rows, i, device="cuda", dtype=torch.bfloat16)
+            bmm13, bmm2 = timer.median_us(lambda: torch.bmm(xs, w13)), timer.median_us(lambda: torch.bmm(inter, w2))
+            flops13, flops2 = 2 * t * k * 2 * i * h, 2 * t * k * h * i
+            print(f"  {name} T {t} {config}: GEMM1 {gate_up_us:.1f} us ({flops13 / gate_up_us / 1e6:.0f} TFLOP/s, "
+                  f"{bmm13 / gate_up_us:.2f}x torch.bmm bf16 {bmm13:.1f}), GEMM2 {down_us:.1f} us "
+                  f"({flops2 / down_us / 1e6:.0f} TFLOP/s, {bmm2 / down_us:.2f}x torch.bmm {bmm2:.1f}); both "
+                  f"{(bmm13 + bmm2) / (gate_up_us + down_us):.2f}x", flush=True)
+            del p, xs, w13, w2, inter, out
 
 
 def main() -> int:
