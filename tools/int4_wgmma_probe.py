@@ -148,16 +148,9 @@ def _gate_up_words(ptr, n0, row_words, I: gl.constexpr, BLOCK_N: gl.constexpr, K
                    layout: gl.constexpr):
     """_swapped_words' pointers for a tile whose first half is gate rows n0.. and second half up
     rows I + n0.. (moegen's w13: gate then up along N), so that one tile's MMA gives both."""
-    l4: gl.constexpr = gl.SliceLayout(4, layout)
-    l3: gl.constexpr = gl.SliceLayout(3, l4)
-    l2: gl.constexpr = gl.SliceLayout(2, l3)
-    ob = gl.arange(0, KB, layout=gl.SliceLayout(1, l2))[:, None, None, None, None]
-    ot = gl.arange(0, 4, layout=gl.SliceLayout(0, l2))[None, :, None, None, None]
-    oq = gl.arange(0, BLOCK_N // 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))[None, None, :, None, None]
-    oh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
-    og = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
-    r = 16 * oq + 8 * oh[None, None, None, :, None] + og[None, None, None, None, :]
-    return ptr + _gate_up_row(n0, r, I, BLOCK_N).to(gl.int64) * row_words + ot * KB + ob
+    HALF: gl.constexpr = BLOCK_N // 2
+    offsets = _swapped_words(0, n0, row_words, BLOCK_N, KB, layout)  # a row's words lie within its row
+    return ptr + gl.where(offsets < (n0 + HALF) * row_words, offsets, offsets + (I - HALF) * row_words)
 
 
 @gluon.jit
@@ -179,10 +172,7 @@ def int4_wgmma_gate_up(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, slots_ptr, experts
     KB: gl.constexpr = GROUP // 32
     HALF: gl.constexpr = BLOCK_N // 2
     gl.static_assert(STAGES * GROUP * 2 >= BLOCK_N * 4, "the token ring stages the float32 tile at the end")
-    gl.static_assert(HALF % GROUP == 0 or GROUP % HALF == 0, "the intermediate's permutation within groups")
     x_layout: gl.constexpr = tokens_layout(NUM_WARPS)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(NUM_WARPS, BLOCK_M), k_width=2)
-
     n0 = gl.program_id(0) * HALF
     m0 = gl.program_id(1) * BLOCK_M
     if m0 >= gl.load(padded_ptr):
@@ -194,7 +184,7 @@ def int4_wgmma_gate_up(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, slots_ptr, experts
     slot = gl.load(slots_ptr + xm)
     x_ptrs = (x_ptr + (slot // TOP_K).to(gl.int64)[:, None] * H
               + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :])
-    rows = _gate_up_row(n0, gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_layout)), I, BLOCK_N)
+    rows = _gate_up_row(n0, _tile_rows(0, BLOCK_N, NUM_WARPS, BLOCK_M), I, BLOCK_N)
     acc, x_ring = _k_loop(words, x_ptrs, (slot < num_slots)[:, None], s_ptr + expert * (2 * I * (H // GROUP)),
                           z_ptr + expert * (2 * I * (H // GROUP)), rows, H // GROUP, BLOCK_N, BLOCK_M, STAGES,
                           NUM_WARPS, ZERO_POINT)
