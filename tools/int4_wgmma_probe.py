@@ -20,8 +20,9 @@ activation is fused; the activations permuted once per 128-group instead of the 
                                                    # timed against cuBLAS / torch.bmm
 Status (docs/PERFORMANCE.md, ideas table): dense, H100 2026-12-07 19:53, every tile right
 (1.7e-3) except 256 x 128 with 4 stages on 8 warps; 0.62x cuBLAS at best (128 x 128, 4 stages)
-on Mixtral's W13 shape. The 16-warp tiles and the routed GEMM1 are compiled and packing-checked
-on the CPU (tests/test_int4_wgmma_probe.py), not yet run on a GPU.
+on Mixtral's W13 shape, its programs walking the weight tiles fastest. The grouped rows
+(GROUP_M), the 16-warp tiles and the routed GEMMs are compiled and packing-checked on the CPU
+(tests/test_int4_wgmma_probe.py), not yet run on a GPU.
 """
 import argparse
 import sys
@@ -38,9 +39,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from moegen.runtime import align  # noqa: E402
 from moegen.runtime.int4_mma import GROUP, GROUP_SIZE, _a_operand, _swapped_words, swapped_words_layout  # noqa: E402
 
 # (128 + q) - (128 + zero), exact in bf16, then times the scale: one rounding, as the reference.
+EXPERT_MASK = gl.constexpr(align.EXPERT_MASK)  # a row block's word: its expert in the low bits
 DEQUANT_BF16X2 = gl.constexpr("{\n.reg .b32 t;\nadd.rn.bf16x2 t, $1, $3;\nmul.rn.bf16x2 $0, t, $2;\n}")
 
 
@@ -115,6 +118,18 @@ def tokens_layout(num_warps):
 
 
 @gluon.jit
+def _tile(num_n: gl.constexpr, num_m, GROUP_M: gl.constexpr):
+    """(weight tile, row tile) of this program: GROUP_M row tiles at a time walk the weight tiles,
+    so that DRAM gives each weight tile once a group and L2 the rest (GROUP_M 1: weight tiles
+    fastest, each read again for every row tile)."""
+    pid = gl.program_id(0)
+    per_group: gl.constexpr = GROUP_M * num_n
+    first_m = pid // per_group * GROUP_M
+    rows = gl.minimum(num_m - first_m, GROUP_M)
+    return pid % per_group // rows, first_m + pid % per_group % rows
+
+
+@gluon.jit
 def _tile_rows(n0, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, BLOCK_M: gl.constexpr):
     """Weight rows n0.. in the layout of the A operand's rows (for their scales)."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=wgmma_layout(NUM_WARPS, BLOCK_M), k_width=2)
@@ -124,13 +139,14 @@ def _tile_rows(n0, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, BLOCK_M: gl.c
 @gluon.jit
 def int4_wgmma_gemm(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N: gl.constexpr, K: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                    ZERO_POINT: gl.constexpr):
+                    GROUP_M: gl.constexpr, ZERO_POINT: gl.constexpr):
     """out [M, N] (bf16) = x [M, K] @ dequant(w)^T; w as int32 words [N, K / 8] of natural_words'
-    layout, scales [N, K / 128] (bf16), zero points [N, K / 128] (uint8). Program (n, m) tile."""
+    layout, scales [N, K / 128] (bf16), zero points [N, K / 128] (uint8). One program a tile."""
     KB: gl.constexpr = GROUP // 32
     x_layout: gl.constexpr = tokens_layout(NUM_WARPS)
-    n0 = gl.program_id(0) * BLOCK_N
-    m0 = gl.program_id(1) * BLOCK_M
+    n_tile, m_tile = _tile(N // BLOCK_N, gl.cdiv(M, BLOCK_M), GROUP_M)
+    n0 = n_tile * BLOCK_N
+    m0 = m_tile * BLOCK_M
     words = _swapped_words(w_ptr, n0, K // 8, BLOCK_N, KB, swapped_words_layout(KB, NUM_WARPS))
     xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
     x_ptrs = x_ptr + xm.to(gl.int64)[:, None] * K + gl.arange(0, GROUP, layout=gl.SliceLayout(0, x_layout))[None, :]
@@ -161,9 +177,9 @@ def _gate_up_row(n0, r, I: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def int4_wgmma_gate_up(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, slots_ptr, experts_ptr, padded_ptr, num_slots,
-                       H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                       num_blocks, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                       ZERO_POINT: gl.constexpr):
+                       GROUP_M: gl.constexpr, ZERO_POINT: gl.constexpr):
     """GEMM1 of the routed layer: inter [rows, I] (bf16) = silu(x W_gate^T) * (x W_up^T) for the
     row block's tokens (sorted slots of one expert, moegen's alignment with group_m 1), BLOCK_N / 2
     columns of I a program. x is [T, H] with each group of 128 inputs permuted to the order the
@@ -173,11 +189,12 @@ def int4_wgmma_gate_up(x_ptr, w_ptr, s_ptr, z_ptr, inter_ptr, slots_ptr, experts
     HALF: gl.constexpr = BLOCK_N // 2
     gl.static_assert(STAGES * GROUP * 2 >= BLOCK_N * 4, "the token ring stages the float32 tile at the end")
     x_layout: gl.constexpr = tokens_layout(NUM_WARPS)
-    n0 = gl.program_id(0) * HALF
-    m0 = gl.program_id(1) * BLOCK_M
+    n_tile, block = _tile(2 * I // BLOCK_N, num_blocks, GROUP_M)
+    n0 = n_tile * HALF
+    m0 = block * BLOCK_M
     if m0 >= gl.load(padded_ptr):
         return
-    expert = gl.load(experts_ptr + gl.program_id(1)).to(gl.int64)
+    expert = (gl.load(experts_ptr + block) & EXPERT_MASK).to(gl.int64)
     words = _gate_up_words(w_ptr + expert * (2 * I * (H // 8)), n0, H // 8, I, BLOCK_N, KB,
                            swapped_words_layout(KB, NUM_WARPS))
     xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
@@ -214,20 +231,21 @@ def _stored_position(j):
 
 @gluon.jit
 def int4_wgmma_down(inter_ptr, w_ptr, s_ptr, z_ptr, out_ptr, weights_ptr, slots_ptr, experts_ptr, padded_ptr,
-                    num_slots, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                    ZERO_POINT: gl.constexpr):
+                    num_slots, num_blocks, H: gl.constexpr, I: gl.constexpr, TOP_K: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                    GROUP_M: gl.constexpr, ZERO_POINT: gl.constexpr):
     """GEMM2 of the routed layer: out [T, H] (float32) += router weight * inter rows @ W_down^T for
     the row block's slots, BLOCK_N rows of H a program; inter [rows, I] as int4_wgmma_gate_up writes
     it (permuted within groups), w2 words [E, H, I / 8] in moegen's layout."""
     KB: gl.constexpr = GROUP // 32
     x_layout: gl.constexpr = tokens_layout(NUM_WARPS)
     acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
-    n0 = gl.program_id(0) * BLOCK_N
-    m0 = gl.program_id(1) * BLOCK_M
+    n_tile, block = _tile(H // BLOCK_N, num_blocks, GROUP_M)
+    n0 = n_tile * BLOCK_N
+    m0 = block * BLOCK_M
     if m0 >= gl.load(padded_ptr):
         return
-    expert = gl.load(experts_ptr + gl.program_id(1)).to(gl.int64)
+    expert = (gl.load(experts_ptr + block) & EXPERT_MASK).to(gl.int64)
     words = _swapped_words(w_ptr + expert * (H * (I // 8)), n0, I // 8, BLOCK_N, KB,
                            swapped_words_layout(KB, NUM_WARPS))
     xm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
@@ -266,18 +284,19 @@ def natural_words(q: torch.Tensor) -> torch.Tensor:
     return pack_int4(stored[None])[0].view(torch.int32)
 
 
-# (BLOCK_N weight rows, BLOCK_M tokens, STAGES, warps): each K step reads BLOCK_M token rows
-# (256 bytes each) and BLOCK_N weight rows (64 bytes) for 2 * BLOCK_N * BLOCK_M * 128 FLOP, so the
-# token tile sets the L2 traffic: 128 x 128 needs ~6.7 TB/s of L2 at cuBLAS's rate, 256 x 128 ~4
-# (16 warps: four warpgroups of 64 weight rows share each token tile).
-CONFIGS = ((128, 128, 4, 8), (128, 128, 5, 8), (256, 128, 4, 16), (256, 128, 3, 16), (256, 64, 6, 16),
-           (128, 64, 6, 4), (128, 64, 8, 4), (64, 128, 6, 4))
+# (BLOCK_N weight rows, BLOCK_M tokens, STAGES, warps, GROUP_M): each K step reads BLOCK_M token
+# rows (256 bytes each) and BLOCK_N weight rows (64 bytes) for 2 * BLOCK_N * BLOCK_M * 128 FLOP, so
+# the token tile sets the L2 traffic: 128 x 128 needs ~7.7 TB/s of L2 at cuBLAS's 790 TFLOP/s (H100),
+# 256 x 128 on 16 warps (four warpgroups of 64 weight rows share each token tile) ~4.6. GROUP_M
+# row tiles walk the weight tiles together (_tile): 1 reads every weight tile again a row tile.
+CONFIGS = ((128, 128, 4, 8, 1), (128, 128, 4, 8, 8), (128, 128, 5, 8, 8), (256, 128, 4, 16, 8),
+           (256, 128, 3, 16, 8), (256, 64, 6, 16, 8), (128, 64, 6, 4, 8), (64, 128, 6, 4, 8))
 SHAPES = (("Mixtral W13", 4096, 28672, 4096), ("Qwen3 W13", 4096, 1536, 2048))
 
 
 def _constexprs(config) -> dict:
-    block_n, block_m, stages, warps = config
-    return dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, NUM_WARPS=warps)
+    block_n, block_m, stages, warps, group_m = config
+    return dict(BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, NUM_WARPS=warps, GROUP_M=group_m)
 
 
 def _compile(kernel_fn, signature: dict, constexprs: dict, warps: int):
@@ -293,11 +312,11 @@ def compiled_kernels():
     """(name, config, compiled kernel or the error) of every dense and routed tile, for sm_90."""
     dense = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16", "M": "i32"}
     routed = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "inter_ptr": "*bf16",
-              "slots_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32", "num_slots": "i32"}
+              "slots_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32", "num_slots": "i32", "num_blocks": "i32"}
     cases = [("dense", config, int4_wgmma_gemm, dense, {"N": 28672, "K": 4096}) for config in CONFIGS]
     down = {"inter_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*fp32",
             "weights_ptr": "*fp32", "slots_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32",
-            "num_slots": "i32"}
+            "num_slots": "i32", "num_blocks": "i32"}
     mixtral = {"H": 4096, "I": 14336, "TOP_K": 2}
     cases += [("gate_up", config, int4_wgmma_gate_up, routed, mixtral) for config in ROUTED_CONFIGS]
     cases += [("down", config, int4_wgmma_down, down, mixtral) for config in ROUTED_CONFIGS]
@@ -318,7 +337,7 @@ def compile_report() -> None:
             print(f"{name} {config}: {type(kernel).__name__}: {str(kernel).splitlines()[0][:200]}", flush=True)
             continue
         loop = max(loop_counts(kernel.asm["cubin"]), key=lambda ops: ops.total())
-        print(f"{name} BLOCK_N, BLOCK_M, STAGES, warps {config}: {registers(kernel.asm['cubin'])} registers, "
+        print(f"{name} BLOCK_N, BLOCK_M, STAGES, warps, GROUP_M {config}: {registers(kernel.asm['cubin'])} registers, "
               f"{kernel.metadata.shared} bytes of shared memory; K loop {loop.total()} instructions "
               f"({loop['HGMMA']} HGMMA)", flush=True)
 
@@ -337,7 +356,7 @@ def _launcher(config, x, words, scale, zero, out):
     m, k = x.shape
     n = out.shape[1]
     c = _constexprs(config)
-    grid = (n // c["BLOCK_N"], triton.cdiv(m, c["BLOCK_M"]))
+    grid = (n // c["BLOCK_N"] * triton.cdiv(m, c["BLOCK_M"]),)
     return lambda: int4_wgmma_gemm[grid](x, words, scale, zero, out, m, N=n, K=k, ZERO_POINT=True, **c,
                                          num_warps=c["NUM_WARPS"])
 
@@ -386,8 +405,9 @@ def permuted_activations(x: torch.Tensor) -> torch.Tensor:
     return x.view(t, h // GROUP_SIZE, GROUP_SIZE)[:, :, activation_positions().to(x.device)].reshape(t, h)
 
 
-# Routed tiles: (BLOCK_N weight rows (GEMM1: half gate, half up), BLOCK_M slots, STAGES, warps).
-ROUTED_CONFIGS = ((128, 128, 4, 8), (256, 128, 4, 16), (128, 64, 6, 4))
+# Routed tiles: (BLOCK_N weight rows (GEMM1: half gate, half up), BLOCK_M slots, STAGES, warps,
+# GROUP_M row blocks).
+ROUTED_CONFIGS = ((128, 128, 4, 8, 8), (256, 128, 4, 16, 8), (128, 64, 6, 4, 8))
 ROUTED_SHAPES = (("Mixtral", 8, 4096, 14336, 2, 4096), ("Qwen3", 128, 2048, 768, 8, 4096))
 
 
@@ -418,20 +438,19 @@ def _routed_problem(e: int, h: int, i: int, k: int, t: int, block_m: int) -> dic
 
 def _routed_launchers(config, p):
     """GEMM1 and GEMM2 as two callables on the problem's buffers, and the intermediate and output."""
-    block_n, block_m, stages, warps = config
     a, h, i = p["aligned"], p["h"], p["i"]
+    c = _constexprs(config)
     inter = torch.empty(a.max_padded, i, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(p["x"].shape[0], h, device="cuda", dtype=torch.float32)
     x = permuted_activations(p["x"])
-    tiles = dict(H=h, I=i, TOP_K=p["top_k"], BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, NUM_WARPS=warps,
-                 ZERO_POINT=True, num_warps=warps)
-    w13, w2, blocks = p["w13"], p["w2"], a.max_padded // block_m
-    gate_up = lambda: int4_wgmma_gate_up[(2 * i // block_n, blocks)](  # noqa: E731
+    tiles = dict(H=h, I=i, TOP_K=p["top_k"], ZERO_POINT=True, num_warps=c["NUM_WARPS"], **c)
+    w13, w2, blocks = p["w13"], p["w2"], a.max_padded // c["BLOCK_M"]
+    gate_up = lambda: int4_wgmma_gate_up[(2 * i // c["BLOCK_N"] * blocks,)](  # noqa: E731
         x, w13["words"], w13["scale"], w13["zero"], inter, a.sorted_slots, a.block_runs, a.num_padded,
-        p["num_slots"], **tiles)
-    down = lambda: int4_wgmma_down[(h // block_n, blocks)](  # noqa: E731
+        p["num_slots"], blocks, **tiles)
+    down = lambda: int4_wgmma_down[(h // c["BLOCK_N"] * blocks,)](  # noqa: E731
         inter, w2["words"], w2["scale"], w2["zero"], out, p["weights"], a.sorted_slots, a.block_runs, a.num_padded,
-        p["num_slots"], **tiles)
+        p["num_slots"], blocks, **tiles)
     return gate_up, down, inter, out
 
 
