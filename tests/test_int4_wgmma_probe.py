@@ -25,6 +25,15 @@ def wgmma_probe():
     return load_tool("int4_wgmma_probe")
 
 
+def _a_operand(probe, words: torch.Tensor, k0: int, kb: int) -> torch.Tensor:  # noqa: F811
+    """The MMA's A operand [rows, 128] (128 + nibble, by MMA input) of the 128-wide step at k0 of
+    int32 words [rows, K / 8], unpacked by the PTX model and permuted as the kernel's _a_operand."""
+    n = words.shape[0]
+    step = words[:, k0 // 8:(k0 + 128) // 8].reshape(n, 4, kb).permute(2, 1, 0)  # (b, t, n): word KB t + b
+    a = _unpacked(probe, step).reshape(kb // 2, 2, 4, n // 16, 2, 8, 2, 2, 2)
+    return a.permute(*probe.SWAPPED_ORDER.value).reshape(n, 128)
+
+
 def test_natural_words_put_each_input_where_the_mma_takes_it(probe, wgmma_probe):  # noqa: F811
     g = torch.Generator().manual_seed(82)
     n, k, kb = 32, 256, 4
@@ -32,10 +41,8 @@ def test_natural_words_put_each_input_where_the_mma_takes_it(probe, wgmma_probe)
     words = wgmma_probe.natural_words(q)
     assert words.shape == (n, k // 8) and words.dtype == torch.int32
     for k0 in range(0, k, 128):
-        step = words[:, k0 // 8:(k0 + 128) // 8].reshape(n, 4, kb).permute(2, 1, 0)  # (b, t, n): word KB t + b
-        a = _unpacked(probe, step).reshape(kb // 2, 2, 4, n // 16, 2, 8, 2, 2, 2)
-        a = a.permute(*probe.SWAPPED_ORDER.value).reshape(n, 128)
-        torch.testing.assert_close(a, 128.0 + q[:, k0:k0 + 128].double(), rtol=0, atol=0)
+        torch.testing.assert_close(_a_operand(probe, words, k0, kb), 128.0 + q[:, k0:k0 + 128].double(),
+                                   rtol=0, atol=0)
 
 
 def test_permuted_activations_meet_moegen_stored_words(probe, wgmma_probe):  # noqa: F811
@@ -50,9 +57,7 @@ def test_permuted_activations_meet_moegen_stored_words(probe, wgmma_probe):  # n
     x = torch.randn(3, k, generator=g, dtype=torch.float64)
     xp = wgmma_probe.permuted_activations(x)
     for k0 in range(0, k, 128):
-        step = words[:, k0 // 8:(k0 + 128) // 8].reshape(n, 4, kb).permute(2, 1, 0)
-        a = _unpacked(probe, step).reshape(kb // 2, 2, 4, n // 16, 2, 8, 2, 2, 2)
-        a = a.permute(*probe.SWAPPED_ORDER.value).reshape(n, 128) - 128.0
+        a = _a_operand(probe, words, k0, kb) - 128.0
         torch.testing.assert_close(xp[:, k0:k0 + 128] @ a.T, x[:, k0:k0 + 128] @ q[:, k0:k0 + 128].double().T)
 
 

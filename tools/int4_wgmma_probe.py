@@ -42,8 +42,8 @@ if str(REPO_ROOT) not in sys.path:
 from moegen.runtime import align  # noqa: E402
 from moegen.runtime.int4_mma import GROUP, GROUP_SIZE, _a_operand, _swapped_words, swapped_words_layout  # noqa: E402
 
-# (128 + q) - (128 + zero), exact in bf16, then times the scale: one rounding, as the reference.
 EXPERT_MASK = gl.constexpr(align.EXPERT_MASK)  # a row block's word: its expert in the low bits
+# (128 + q) - (128 + zero), exact in bf16, then times the scale: one rounding, as the reference.
 DEQUANT_BF16X2 = gl.constexpr("{\n.reg .b32 t;\nadd.rn.bf16x2 t, $1, $3;\nmul.rn.bf16x2 $0, t, $2;\n}")
 
 
